@@ -1,0 +1,216 @@
+// RoPE (HF Llama half-split) fused with the optional bias add (Qwen2), the
+// optional per-head q/k RMSNorm (Qwen3) and the append of K/V to the cache;
+// GQA attention over one sequence's cache (split over the KV length,
+// flash-decoding style) and the combine of the splits.
+//
+// Layouts: qkv rows are [q heads | k heads | v heads] x head_dim, one row per
+// token. A layer's cache is [kv_heads][capacity][head_dim]. Positions come
+// from device memory (pos_base[0] + token index), so the launch does not
+// depend on the position (CUDA graphs can replay it).
+#include "common.cuh"
+
+// grid (heads + 2*kv_heads, n_tok); block: round_up(head_dim/2, 32) threads.
+template <typename T>
+__device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache,
+                         T *v_cache, const float *inv_freq, const uint32_t *pos_base, int heads,
+                         int kv_heads, int hd, int capacity, float eps) {
+    __shared__ float sh[32];
+    const int h = blockIdx.x, tok = blockIdx.y, i = threadIdx.x, half_d = hd >> 1;
+    const int row_len = (heads + 2 * kv_heads) * hd;
+    T *row = qkv + (size_t)tok * row_len;
+    const uint32_t pos = pos_base[0] + (uint32_t)tok;
+    const bool active = i < half_d;
+    const int off = h * hd;
+    float a = 0.0f, b = 0.0f;
+    if (active) {
+        a = to_f(row[off + i]);
+        b = to_f(row[off + i + half_d]);
+        if (bias != nullptr) {
+            a += to_f(bias[off + i]);
+            b += to_f(bias[off + i + half_d]);
+        }
+    }
+    const bool is_q = h < heads, is_v = h >= heads + kv_heads;
+    if (!is_v) {
+        const T *nw = is_q ? q_norm : k_norm;
+        if (nw != nullptr) {  // uniform over the block: every thread reaches block_sum
+            const float ss = block_sum(a * a + b * b, sh);
+            const float r = rsqrtf(ss / (float)hd + eps);
+            if (active) {
+                // Round as the reference does: the normed head is stored in the model dtype.
+                a = to_f(from_f<T>(a * r * to_f(nw[i])));
+                b = to_f(from_f<T>(b * r * to_f(nw[i + half_d])));
+            }
+        }
+        if (active) {
+            float s, c;
+            sincosf((float)pos * inv_freq[i], &s, &c);
+            const float na = a * c - b * s;
+            const float nb = b * c + a * s;
+            a = na;
+            b = nb;
+        }
+    }
+    if (is_q) {
+        if (active) {
+            row[off + i] = from_f<T>(a);
+            row[off + i + half_d] = from_f<T>(b);
+        }
+        return;
+    }
+    if (pos >= (uint32_t)capacity) return;  // bounds guard (the host validates positions first)
+    const int kvh = is_v ? h - heads - kv_heads : h - heads;
+    T *dst = (is_v ? v_cache : k_cache) + ((size_t)kvh * capacity + pos) * hd;
+    if (active) {
+        dst[i] = from_f<T>(a);
+        dst[i + half_d] = from_f<T>(b);
+    }
+}
+
+#define ATTN_MAX_WARPS 8
+#define ATTN_MAX_HD 256
+
+// grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
+// Query token `tok` sits at position pos_base[0] + tok and attends to cache
+// rows [0, pos]. Split s covers an equal share of those rows (the share is
+// computed from the length read on the device). With one split the normalised
+// output is written to `out` [n_tok][heads*hd]; otherwise the unnormalised
+// partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum).
+template <typename T, int E>
+__device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out,
+                          float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
+                          int kv_heads, int capacity, float scale) {
+    constexpr int HD = 32 * E;
+    __shared__ float s_m[ATTN_MAX_WARPS], s_l[ATTN_MAX_WARPS];
+    __shared__ float s_acc[ATTN_MAX_WARPS][HD];
+    const int h = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const uint32_t pos = pos_base[0] + (uint32_t)tok;
+    const int len = (int)min(pos + 1u, (uint32_t)capacity);
+    const int chunk = (len + n_splits - 1) / n_splits;
+    const int start = split * chunk;
+    const int end = min(start + chunk, len);
+    const int kvh = h / (heads / kv_heads);
+
+    float qv[E], acc[E];
+    const T *qh = q + (size_t)tok * q_stride + h * HD + lane * E;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        qv[e] = to_f(qh[e]) * scale;
+        acc[e] = 0.0f;
+    }
+    float m = FERRUM_NEG_INF, l = 0.0f;
+    const T *kb = k_cache + (size_t)kvh * capacity * HD + lane * E;
+    const T *vb = v_cache + (size_t)kvh * capacity * HD + lane * E;
+    for (int t = start + warp; t < end; t += nw) {
+        const T *kr = kb + (size_t)t * HD;
+        float s = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) s += qv[e] * to_f(kr[e]);
+        s = warp_sum(s);
+        const float mn = fmaxf(m, s);
+        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first row
+        const float p = expf(s - mn);
+        l = l * corr + p;
+        const T *vr = vb + (size_t)t * HD;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * to_f(vr[e]);
+        m = mn;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) s_acc[warp][lane * E + e] = acc[e];
+    __syncthreads();
+    float M = FERRUM_NEG_INF;
+    for (int w = 0; w < nw; ++w) M = fmaxf(M, s_m[w]);
+    float L = 0.0f;
+    for (int w = 0; w < nw; ++w) L += (s_m[w] == FERRUM_NEG_INF) ? 0.0f : s_l[w] * expf(s_m[w] - M);
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float A = 0.0f;
+        for (int w = 0; w < nw; ++w)
+            A += (s_m[w] == FERRUM_NEG_INF) ? 0.0f : s_acc[w][d] * expf(s_m[w] - M);
+        if (n_splits == 1) {
+            out[(size_t)tok * heads * HD + h * HD + d] = from_f<T>(L > 0.0f ? A / L : 0.0f);
+        } else {
+            part_acc[(((size_t)tok * heads + h) * n_splits + split) * HD + d] = A;
+        }
+    }
+    if (n_splits > 1 && threadIdx.x == 0) {
+        float *ml = part_ml + (((size_t)tok * heads + h) * n_splits + split) * 2;
+        ml[0] = M;
+        ml[1] = L;
+    }
+}
+
+template <typename T>
+__device__ void attn(const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out,
+                     float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
+                     int kv_heads, int hd, int capacity, float scale) {
+    switch (hd) {
+    case 64:
+        attn_impl<T, 2>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                        kv_heads, capacity, scale);
+        break;
+    case 96:
+        attn_impl<T, 3>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                        kv_heads, capacity, scale);
+        break;
+    case 128:
+        attn_impl<T, 4>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                        kv_heads, capacity, scale);
+        break;
+    case 256:
+        attn_impl<T, 8>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                        kv_heads, capacity, scale);
+        break;
+    default:
+        break;  // the host only launches supported head dims
+    }
+}
+
+// grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits.
+template <typename T>
+__device__ void attn_combine(T *out, const float *part_acc, const float *part_ml, int heads,
+                             int hd, int n_splits) {
+    const int h = blockIdx.x, tok = blockIdx.y, d = threadIdx.x;
+    if (d >= hd) return;
+    const size_t base = ((size_t)tok * heads + h) * n_splits;
+    float M = FERRUM_NEG_INF;
+    for (int s = 0; s < n_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
+    float L = 0.0f, A = 0.0f;
+    for (int s = 0; s < n_splits; ++s) {
+        const float ms = part_ml[(base + s) * 2];
+        if (ms == FERRUM_NEG_INF) continue;
+        const float w = expf(ms - M);
+        L += part_ml[(base + s) * 2 + 1] * w;
+        A += part_acc[(base + s) * hd + d] * w;
+    }
+    out[(size_t)tok * heads * hd + h * hd + d] = from_f<T>(L > 0.0f ? A / L : 0.0f);
+}
+
+#define FERRUM_ATTN(S, T)                                                                          \
+    extern "C" __global__ void ferrum_rope_qkv_##S(                                                \
+        T *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache, T *v_cache,            \
+        const float *inv_freq, const uint32_t *pos_base, int heads, int kv_heads, int hd,          \
+        int capacity, float eps) {                                                                 \
+        rope_qkv<T>(qkv, bias, q_norm, k_norm, k_cache, v_cache, inv_freq, pos_base, heads,        \
+                    kv_heads, hd, capacity, eps);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) ferrum_attn_##S(                             \
+        const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out, float *part_acc,     \
+        float *part_ml, const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,   \
+        float scale) {                                                                             \
+        attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads, kv_heads,  \
+                hd, capacity, scale);                                                              \
+    }                                                                                              \
+    extern "C" __global__ void ferrum_attn_combine_##S(T *out, const float *part_acc,              \
+                                                       const float *part_ml, int heads, int hd,    \
+                                                       int n_splits) {                             \
+        attn_combine<T>(out, part_acc, part_ml, heads, hd, n_splits);                              \
+    }
+
+FERRUM_ATTN(f16, f16)
+FERRUM_ATTN(bf16, bf16)

@@ -1,0 +1,68 @@
+// Embedding gather, RMSNorm and the fused residual-add + RMSNorm.
+// The residual stream `x` is kept in fp32; normalised outputs are in the model dtype.
+#include "common.cuh"
+
+// x[row][:] = table[tokens[row]][:] (as fp32). One block per row.
+// A token id >= vocab (the host validates ids first) yields a zero row, never an out-of-bounds read.
+template <typename T>
+__device__ void embed(float *x, const T *table, const uint32_t *tokens, int vocab, int hidden) {
+    const int row = blockIdx.x;
+    const uint32_t tok = tokens[row];
+    float *o = x + (size_t)row * hidden;
+    if (tok >= (uint32_t)vocab) {
+        for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = 0.0f;
+        return;
+    }
+    const T *src = table + (size_t)tok * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = to_f(src[i]);
+}
+
+// y[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w. One block per row.
+template <typename T>
+__device__ void rmsnorm(T *y, const float *x, const T *w, int hidden, float eps) {
+    __shared__ float sh[32];
+    const size_t base = (size_t)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = x[base + i];
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float r = rsqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        y[base + i] = from_f<T>(x[base + i] * r * to_f(w[i]));
+}
+
+// x[row] += delta[row]; y[row] = rmsnorm(x[row]) * w. One block per row.
+template <typename T>
+__device__ void add_rmsnorm(float *x, const T *delta, T *y, const T *w, int hidden, float eps) {
+    __shared__ float sh[32];
+    const size_t base = (size_t)blockIdx.x * hidden;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        const float v = x[base + i] + to_f(delta[base + i]);
+        x[base + i] = v;
+        ss += v * v;
+    }
+    ss = block_sum(ss, sh);
+    const float r = rsqrtf(ss / (float)hidden + eps);
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
+        y[base + i] = from_f<T>(x[base + i] * r * to_f(w[i]));
+}
+
+#define FERRUM_NORM(S, T)                                                                          \
+    extern "C" __global__ void ferrum_embed_##S(float *x, const T *table, const uint32_t *tokens,  \
+                                                int vocab, int hidden) {                           \
+        embed<T>(x, table, tokens, vocab, hidden);                                                 \
+    }                                                                                              \
+    extern "C" __global__ void ferrum_rmsnorm_##S(T *y, const float *x, const T *w, int hidden,    \
+                                                  float eps) {                                     \
+        rmsnorm<T>(y, x, w, hidden, eps);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void ferrum_add_rmsnorm_##S(float *x, const T *delta, T *y, const T *w,  \
+                                                      int hidden, float eps) {                     \
+        add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
+    }
+
+FERRUM_NORM(f16, f16)
+FERRUM_NORM(bf16, bf16)

@@ -1,0 +1,70 @@
+// The kernels the Rust side launches, by name. This file has no dependencies:
+// `cargo xtask ptx --check` `include!`s it to verify that every name is in the PTX.
+
+macro_rules! kernels {
+    ($($(#[$m:meta])* $variant:ident => $name:literal,)*) => {
+        /// A kernel in the embedded PTX; [`Kernel::name`] is its `extern "C"` symbol.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel {
+            $($(#[$m])* $variant,)*
+        }
+
+        impl Kernel {
+            /// Every kernel, in declaration order (`Kernel::ALL[k as usize] == k`).
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$variant,)*];
+
+            /// The kernel's symbol in the PTX.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $name,)*
+                }
+            }
+        }
+
+        /// Every kernel name the Rust side uses.
+        pub const KERNEL_NAMES: &[&str] = &[$($name,)*];
+    };
+}
+
+kernels! {
+    /// Embedding gather into the fp32 residual stream.
+    EmbedF16 => "ferrum_embed_f16",
+    EmbedBf16 => "ferrum_embed_bf16",
+    /// RMSNorm of the fp32 residual stream.
+    RmsNormF16 => "ferrum_rmsnorm_f16",
+    RmsNormBf16 => "ferrum_rmsnorm_bf16",
+    /// Residual add fused with RMSNorm.
+    AddRmsNormF16 => "ferrum_add_rmsnorm_f16",
+    AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16",
+    /// Bias + q/k norm + RoPE + K/V cache append.
+    RopeQkvF16 => "ferrum_rope_qkv_f16",
+    RopeQkvBf16 => "ferrum_rope_qkv_bf16",
+    /// GQA attention over the cache (split-KV).
+    AttnF16 => "ferrum_attn_f16",
+    AttnBf16 => "ferrum_attn_bf16",
+    /// Combine of the split-KV partials.
+    AttnCombineF16 => "ferrum_attn_combine_f16",
+    AttnCombineBf16 => "ferrum_attn_combine_bf16",
+    /// Batch-1 projection.
+    GemvF16 => "ferrum_gemv_f16",
+    GemvBf16 => "ferrum_gemv_bf16",
+    /// Batch-1 projection with fp32 output (LM head).
+    GemvF32OutF16 => "ferrum_gemv_f32out_f16",
+    GemvF32OutBf16 => "ferrum_gemv_f32out_bf16",
+    /// Batch-1 down projection with SiLU·mul fused on its input.
+    GemvSiluF16 => "ferrum_gemv_silu_f16",
+    GemvSiluBf16 => "ferrum_gemv_silu_bf16",
+    /// SiLU·mul (prefill path).
+    SiluMulF16 => "ferrum_silu_mul_f16",
+    SiluMulBf16 => "ferrum_silu_mul_bf16",
+    /// Argmax, pass 1 (per-block partials).
+    ArgmaxPartial => "ferrum_argmax_partial",
+    /// Argmax, pass 2 (final).
+    ArgmaxFinal => "ferrum_argmax_final",
+    /// Hash-based uniform init (synthetic weights).
+    InitUniformF16 => "ferrum_init_uniform_f16",
+    InitUniformBf16 => "ferrum_init_uniform_bf16",
+}
+
+/// The PTX modules (`ferrum-cuda/ptx/<name>.ptx`, built from `kernels/<name>.cu`).
+pub const PTX_MODULES: &[&str] = &["norm", "attention", "gemv", "misc"];

@@ -1,0 +1,193 @@
+//! `ferrum bench`: prefill time and decode speed, median of several runs, as a table or JSON.
+//!
+//! Each run prefills a prompt of `--prompt-tokens` token ids and then decodes `--gen-tokens`
+//! steps greedily, timing every step. Speed is reported as the median (and p99) over all
+//! timed steps of all runs after the warm-up run.
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde::Serialize;
+
+use ferrum_runner::backend::DecodeBackend;
+use ferrum_runner::config::ModelConfig;
+use ferrum_runner::load::load_model;
+use ferrum_runner::sampling::argmax;
+use ferrum_runner::session::{cpu_backend, weight_bytes_per_token, DeviceSpec};
+use ferrum_runner::weights::WeightFormat;
+
+use crate::cli::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Benchmark a random-weight model of a known shape instead of a file:
+    /// smollm2-135m, llama3.2-1b, llama3-8b, qwen2.5-7b.
+    #[arg(long, value_name = "NAME", conflicts_with = "model")]
+    synthetic: Option<String>,
+    /// Prompt length for the prefill.
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Decode steps per run.
+    #[arg(long, default_value_t = 64)]
+    gen_tokens: usize,
+    /// Timed runs (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Serialize, Debug)]
+struct Report {
+    model: String,
+    backend: String,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    runs: usize,
+    prefill_ms_median: f64,
+    decode_ms_per_token_median: f64,
+    decode_ms_per_token_p99: f64,
+    decode_tok_per_s: f64,
+    weight_bytes_per_token: u64,
+    achieved_gb_per_s: f64,
+    threads: usize,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.runs == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --runs must be at least 1");
+    }
+    let opts = a.model.to_options()?;
+    let (mut backend, cfg, bytes, name): (Box<dyn DecodeBackend>, ModelConfig, u64, String) =
+        match (&a.synthetic, opts.device) {
+            (Some(name), DeviceSpec::Cpu) => {
+                let cfg = ferrum_runner::synthetic::named_config(name)
+                    .with_context(|| format!("--synthetic `{name}`: unknown shape"))?;
+                let dtype = opts.dtype.unwrap_or(candle_core::DType::F32);
+                eprintln!("building random {name} weights on the CPU ({dtype:?})…");
+                let w = ferrum_runner::synthetic::random_weights(&cfg, dtype, 0)?;
+                let b = cpu_backend(&w, WeightFormat::Dense(dtype), opts.tp, true)?;
+                (b, cfg, weight_bytes_per_token(&w), format!("synthetic:{name}"))
+            }
+            (Some(name), DeviceSpec::Cuda(ordinal)) => synthetic_cuda(name, ordinal, &opts)?,
+            (None, DeviceSpec::Cpu) => {
+                let path = match &opts.model {
+                    Some(p) => p.clone(),
+                    None => ferrum_runner::fetch::default_model_path(true)?,
+                };
+                let format = opts.dtype.map_or(WeightFormat::Quantized, WeightFormat::Dense);
+                let m = load_model(&path, format)?;
+                let b = cpu_backend(&m.weights, format, opts.tp, true)?;
+                (b, m.weights.config.clone(), weight_bytes_per_token(&m.weights), path.display().to_string())
+            }
+            (None, DeviceSpec::Cuda(ordinal)) => file_cuda(ordinal, &opts)?,
+        };
+    if a.prompt_tokens + a.gen_tokens > cfg.max_position_embeddings {
+        bail!("--prompt-tokens + --gen-tokens exceed the model's context of {}", cfg.max_position_embeddings);
+    }
+    // A fixed pseudo-random prompt (not all zeros: real ids exercise real embedding rows).
+    let prompt: Vec<u32> =
+        (0..a.prompt_tokens).map(|i| ((i as u64 * 2_654_435_761 + 12345) % cfg.vocab_size as u64) as u32).collect();
+    let capacity = a.prompt_tokens + a.gen_tokens;
+    let mut prefill_ms = Vec::new();
+    let mut step_ms = Vec::new();
+    for run in 0..=a.runs {
+        let t = Instant::now();
+        let mut logits = backend.prefill(&prompt, capacity)?;
+        let pf = t.elapsed().as_secs_f64() * 1e3;
+        let mut steps = Vec::with_capacity(a.gen_tokens);
+        for _ in 0..a.gen_tokens {
+            let tok = argmax(&logits);
+            let t = Instant::now();
+            logits = backend.step(tok)?;
+            steps.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        if run > 0 {
+            prefill_ms.push(pf);
+            step_ms.extend(steps);
+        }
+    }
+    prefill_ms.sort_by(f64::total_cmp);
+    step_ms.sort_by(f64::total_cmp);
+    let med = percentile(&step_ms, 0.5);
+    let r = Report {
+        model: name,
+        backend: backend.describe(),
+        prompt_tokens: a.prompt_tokens,
+        gen_tokens: a.gen_tokens,
+        runs: a.runs,
+        prefill_ms_median: percentile(&prefill_ms, 0.5),
+        decode_ms_per_token_median: med,
+        decode_ms_per_token_p99: percentile(&step_ms, 0.99),
+        decode_tok_per_s: 1e3 / med,
+        weight_bytes_per_token: bytes,
+        achieved_gb_per_s: bytes as f64 / (med * 1e-3) / 1e9,
+        threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!("model                 {}", r.model);
+        println!("backend               {}  ({} cores)", r.backend, r.threads);
+        println!("prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs);
+        println!("prefill               {:.2} ms (median)", r.prefill_ms_median);
+        println!("decode                {:.3} ms/token median, {:.3} p99", med, r.decode_ms_per_token_p99);
+        println!("decode speed          {:.1} tok/s", r.decode_tok_per_s);
+        println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
+    }
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn synthetic_cuda(
+    _: &str,
+    _: usize,
+    _: &ferrum_runner::session::SessionOptions,
+) -> Result<(Box<dyn DecodeBackend>, ModelConfig, u64, String)> {
+    bail!("--device cuda is not available: this ferrum was built without CUDA support; rebuild with `--features cuda`")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn file_cuda(
+    _: usize,
+    _: &ferrum_runner::session::SessionOptions,
+) -> Result<(Box<dyn DecodeBackend>, ModelConfig, u64, String)> {
+    bail!("--device cuda is not available: this ferrum was built without CUDA support; rebuild with `--features cuda`")
+}
+
+#[cfg(feature = "cuda")]
+fn synthetic_cuda(
+    name: &str,
+    ordinal: usize,
+    opts: &ferrum_runner::session::SessionOptions,
+) -> Result<(Box<dyn DecodeBackend>, ModelConfig, u64, String)> {
+    let cfg = ferrum_runner::synthetic::named_config(name).with_context(|| format!("--synthetic `{name}`: unknown shape"))?;
+    let (b, bytes) = ferrum_runner::cuda_backend::open_synthetic(&cfg, ordinal, opts)?;
+    Ok((b, cfg, bytes, format!("synthetic:{name}")))
+}
+
+#[cfg(feature = "cuda")]
+fn file_cuda(
+    ordinal: usize,
+    opts: &ferrum_runner::session::SessionOptions,
+) -> Result<(Box<dyn DecodeBackend>, ModelConfig, u64, String)> {
+    let path = match &opts.model {
+        Some(p) => p.clone(),
+        None => ferrum_runner::fetch::default_model_path(true)?,
+    };
+    let m = load_model(&path, WeightFormat::Dense(candle_core::DType::F32))?;
+    let b = ferrum_runner::session::cuda_backend(&m, ordinal, opts, true)?;
+    let bytes = ferrum_runner::cuda_backend::weight_bytes_per_token(&m.weights.config, opts);
+    Ok((b, m.weights.config.clone(), bytes, path.display().to_string()))
+}

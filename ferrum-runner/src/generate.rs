@@ -1,0 +1,101 @@
+//! The generation loop: prefill, then sample and step until a stop token or the token budget.
+
+use std::time::{Duration, Instant};
+
+use crate::backend::DecodeBackend;
+use crate::error::{Error, Result};
+use crate::sampling::{Sampler, SamplingParams};
+
+/// What to generate and how.
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// At most this many new tokens (≥ 1).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    /// Tokens that end the generation (not emitted).
+    pub stop_ids: Vec<u32>,
+    /// Keep every step's logits (`steps × vocab`) for `--dump-logits`.
+    pub keep_logits: bool,
+}
+
+/// What a generation did, for the stderr report and `ferrum bench`.
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    pub prompt_tokens: usize,
+    /// Tokens emitted (the stop token excluded).
+    pub generated: Vec<u32>,
+    pub prefill_time: Duration,
+    /// Time spent in decode steps (each step consumes one generated token).
+    pub decode_time: Duration,
+    pub decode_steps: usize,
+    /// Row-major `steps × vocab` logits: row 0 from the prefill, row i from decode step i.
+    pub logits: Vec<f32>,
+    pub stopped_on_eos: bool,
+}
+
+impl GenerationStats {
+    /// Decode throughput in tokens per second (0 when no step ran).
+    pub fn decode_tok_per_s(&self) -> f64 {
+        if self.decode_steps == 0 || self.decode_time.is_zero() {
+            0.0
+        } else {
+            self.decode_steps as f64 / self.decode_time.as_secs_f64()
+        }
+    }
+}
+
+/// The KV capacity a generation needs: the prompt plus every new token, within `context`.
+pub fn required_capacity(prompt_len: usize, max_tokens: usize, context: usize) -> Result<usize> {
+    if prompt_len == 0 {
+        return Err(Error::InvalidInput("the prompt is empty".into()));
+    }
+    if prompt_len >= context {
+        return Err(Error::InvalidInput(format!(
+            "the prompt has {prompt_len} tokens, but the model's context holds {context}: shorten it"
+        )));
+    }
+    Ok((prompt_len + max_tokens).min(context))
+}
+
+/// Runs one generation, calling `on_token` with each new token as soon as it is chosen.
+/// Generation stops early, without error, when the context is full.
+pub fn generate(
+    backend: &mut dyn DecodeBackend,
+    prompt: &[u32],
+    context: usize,
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<GenerationStats> {
+    if opts.max_tokens == 0 {
+        return Err(Error::InvalidInput("--max-tokens must be at least 1".into()));
+    }
+    let capacity = required_capacity(prompt.len(), opts.max_tokens, context)?;
+    let mut sampler = Sampler::new(opts.sampling)?;
+    let mut stats = GenerationStats { prompt_tokens: prompt.len(), ..Default::default() };
+
+    let t0 = Instant::now();
+    let mut logits = backend.prefill(prompt, capacity)?;
+    stats.prefill_time = t0.elapsed();
+    let mut pos = prompt.len();
+    let t1 = Instant::now();
+    loop {
+        if opts.keep_logits {
+            stats.logits.extend_from_slice(&logits);
+        }
+        let tok = sampler.sample(&logits)?;
+        if opts.stop_ids.contains(&tok) {
+            stats.stopped_on_eos = true;
+            break;
+        }
+        stats.generated.push(tok);
+        on_token(tok)?;
+        if stats.generated.len() >= opts.max_tokens || pos >= capacity {
+            break;
+        }
+        logits = backend.step(tok)?;
+        stats.decode_steps += 1;
+        pos += 1;
+    }
+    stats.decode_time = t1.elapsed();
+    Ok(stats)
+}

@@ -1,0 +1,33 @@
+//! # ferrum-runner
+//!
+//! Model loading (GGUF and HF safetensors), the tokenizer and chat template, sampling, the CPU
+//! reference decode path on `candle-core`, and the `ferrum` CLI.
+//!
+//! ```no_run
+//! use ferrum_runner::{load::load_model, weights::WeightFormat};
+//! # fn main() -> ferrum_runner::error::Result<()> {
+//! let model = load_model("SmolLM2-135M-Instruct.Q4_1.gguf".as_ref(), WeightFormat::Quantized)?;
+//! println!("{} layers", model.weights.config.num_layers);
+//! # Ok(()) }
+//! ```
+pub mod backend;
+pub mod chat;
+pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda_backend;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod hf;
+pub mod load;
+pub mod generate;
+pub mod model;
+pub mod npy;
+pub mod sampling;
+pub mod session;
+pub mod synthetic;
+pub mod tokenizer;
+pub mod tp;
+pub mod weights;
+
+pub use error::{Error, Result};

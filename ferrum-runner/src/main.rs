@@ -1,0 +1,140 @@
+//! `ferrum`: generate text or benchmark decode, on the CPU or (with `--features cuda`) a GPU.
+//!
+//! Stdout carries only the generated continuation, streamed as it is produced; everything
+//! else (load time, prompt tokens, decode speed) goes to stderr.
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use ferrum_runner::generate::{generate, GenerateOptions};
+use ferrum_runner::sampling::SamplingParams;
+use ferrum_runner::session::Session;
+
+mod bench;
+mod cli;
+
+#[derive(Parser)]
+#[command(name = "ferrum", version, about = "Fast batch-1 LLM decoding (Llama family)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate a continuation of PROMPT (`-` reads it from stdin).
+    Generate(GenerateArgs),
+    /// Measure prefill time and decode speed (median of several runs).
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: cli::ModelArgs,
+    /// At most this many new tokens.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Keep only the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Nucleus sampling: keep the smallest set reaching probability P (1 = off).
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    top_p: f32,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 299_792_458)]
+    seed: u64,
+    /// Render PROMPT as a user message through the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Write every step's logits (steps × vocab, f32) to this `.npy` file.
+    #[arg(long, value_name = "FILE")]
+    dump_logits: Option<PathBuf>,
+    /// The prompt, or `-` for stdin.
+    prompt: String,
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Generate(a) => run_generate(a),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn read_prompt(p: &str) -> Result<String> {
+    let text = if p == "-" {
+        let mut s = String::new();
+        std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
+        s
+    } else {
+        p.to_string()
+    };
+    if text.trim().is_empty() {
+        bail!("the prompt is empty: give some text, or `-` to read it from stdin");
+    }
+    Ok(text)
+}
+
+fn run_generate(a: GenerateArgs) -> Result<()> {
+    if a.max_tokens == 0 {
+        bail!("--max-tokens must be at least 1");
+    }
+    let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
+    sampling.validate()?;
+    let prompt = read_prompt(&a.prompt)?;
+    let mut s = Session::open(&a.model.to_options()?, true)?;
+    let ids = s.encode_prompt(&prompt, a.chat)?;
+    eprintln!("prompt: {} tokens", ids.len());
+
+    let opts = GenerateOptions {
+        max_tokens: a.max_tokens,
+        sampling,
+        stop_ids: s.tokenizer.eos_ids().to_vec(),
+        keep_logits: a.dump_logits.is_some(),
+    };
+    let mut stream = s.tokenizer.stream_decoder();
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let context = s.context_len();
+    let stats = generate(s.backend.as_mut(), &ids, context, &opts, &mut |tok| {
+        if let Some(text) = stream.step(tok)? {
+            // A closed stdout (e.g. `| head`) ends the generation quietly.
+            let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+        }
+        Ok(())
+    })?;
+    if let Some(rest) = stream.flush()? {
+        let _ = out.write_all(rest.as_bytes());
+    }
+    let _ = writeln!(out);
+    drop(out);
+    eprintln!(
+        "generated {} tokens{}; prefill {:.1} ms; decode {:.1} tok/s ({})",
+        stats.generated.len(),
+        if stats.stopped_on_eos { " (stopped at EOS)" } else { "" },
+        stats.prefill_time.as_secs_f64() * 1e3,
+        stats.decode_tok_per_s(),
+        s.backend.describe()
+    );
+    if let Some(path) = &a.dump_logits {
+        write_logits(path, s.backend.vocab_size(), &stats.logits)?;
+        eprintln!("wrote {} steps of logits to {}", stats.logits.len() / s.backend.vocab_size(), path.display());
+    }
+    Ok(())
+}
+
+fn write_logits(path: &Path, vocab: usize, logits: &[f32]) -> Result<()> {
+    let f = std::fs::File::create(path).with_context(|| format!("--dump-logits: creating {}", path.display()))?;
+    ferrum_runner::npy::write_f32_2d(std::io::BufWriter::new(f), logits.len() / vocab, vocab, logits)
+        .with_context(|| format!("--dump-logits: writing {}", path.display()))
+}

@@ -1,0 +1,313 @@
+//! The CPU reference forward pass, on candle-core.
+//!
+//! This is ferrum's correctness oracle: every GPU result is checked against it. It is written
+//! to be read, one layer at a time, with the shapes beside every reshape
+//! (`T` = tokens in this call, `S` = tokens in the cache after it, `D` = hidden, `H`/`KV` =
+//! this rank's query/KV heads, `G = H / KV`, `hd` = head dim).
+//!
+//! A [`CpuModel`] may hold a whole model or one tensor-parallel shard of it: the head counts
+//! and MLP width are read from the weight shapes, and the two per-layer reduction points
+//! (after the attention output projection and after the MLP down projection) call a
+//! [`Reducer`], which is a no-op for a whole model.
+
+use candle_core::{DType, Device, Module, Tensor, D};
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::weights::{LayerWeights, ModelWeights};
+
+/// Where a tensor-parallel shard's partial sums are combined. A whole model needs none.
+pub trait Reducer {
+    /// Replaces `partial` (`[T, D]`, f32) by its sum over all ranks.
+    fn all_reduce(&mut self, partial: Tensor) -> Result<Tensor>;
+}
+
+/// The reducer of a model that is not sharded.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoReduce;
+
+impl Reducer for NoReduce {
+    fn all_reduce(&mut self, partial: Tensor) -> Result<Tensor> {
+        Ok(partial)
+    }
+}
+
+/// One layer's weights, ready for the CPU (matmul operators built once).
+#[derive(Debug)]
+struct CpuLayer {
+    attn_norm: Tensor,
+    q: candle_core::quantized::QMatMul,
+    k: candle_core::quantized::QMatMul,
+    v: candle_core::quantized::QMatMul,
+    o: candle_core::quantized::QMatMul,
+    q_bias: Option<Tensor>,
+    k_bias: Option<Tensor>,
+    v_bias: Option<Tensor>,
+    q_norm: Option<Tensor>,
+    k_norm: Option<Tensor>,
+    mlp_norm: Tensor,
+    gate: candle_core::quantized::QMatMul,
+    up: candle_core::quantized::QMatMul,
+    down: candle_core::quantized::QMatMul,
+}
+
+/// A Llama-family decoder (or one TP shard of it) on the CPU.
+#[derive(Debug)]
+pub struct CpuModel {
+    config: ModelConfig,
+    /// Activation dtype: f32, except for dense f16/bf16 weights.
+    dtype: DType,
+    /// This rank's query heads and KV heads.
+    heads: usize,
+    kv_heads: usize,
+    embed: Tensor,
+    layers: Vec<CpuLayer>,
+    final_norm: Tensor,
+    lm_head: candle_core::quantized::QMatMul,
+    /// `[max_position, hd/2]` RoPE tables.
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// One sequence's KV cache: per layer `[KV, capacity, hd]` for keys and values.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<Tensor>,
+    v: Vec<Tensor>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// Tokens already in the cache (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when nothing has been prefilled yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The most tokens this cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets the cached tokens (the buffers are kept).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?)
+}
+
+fn linear(x: &Tensor, w: &candle_core::quantized::QMatMul, bias: Option<&Tensor>) -> Result<Tensor> {
+    let y = w.forward(x)?;
+    Ok(match bias {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    })
+}
+
+impl CpuModel {
+    /// Builds the CPU model from loaded (or sharded) weights.
+    pub fn new(w: &ModelWeights) -> Result<Self> {
+        let cfg = w.config.clone();
+        cfg.validate()?;
+        let hd = cfg.head_dim;
+        let first = w.layers.first().ok_or_else(|| Error::BadConfig("model has no layers".into()))?;
+        let (q_rows, _) = first.q.dims();
+        let (k_rows, _) = first.k.dims();
+        if q_rows % hd != 0 || k_rows % hd != 0 || k_rows == 0 || (q_rows / hd) % (k_rows / hd) != 0 {
+            return Err(Error::BadConfig(format!(
+                "q/k projections of {q_rows}/{k_rows} rows do not hold whole heads of {hd}"
+            )));
+        }
+        let (heads, kv_heads) = (q_rows / hd, k_rows / hd);
+        // Dense f16/bf16 weights compute in that dtype; quantized and f32 weights in f32.
+        let dtype = match w.dtype {
+            DType::F16 | DType::BF16 => w.dtype,
+            _ => DType::F32,
+        };
+        let layers = w.layers.iter().map(|l| Self::layer(l, dtype)).collect::<Result<Vec<_>>>()?;
+
+        // RoPE tables, computed in f32 exactly as HF does: freqs = pos ⊗ inv_freq.
+        let inv = cfg.rope_inv_freq();
+        let max_pos = cfg.max_position_embeddings;
+        let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
+        let pos = Tensor::arange(0u32, max_pos as u32, &Device::Cpu)?
+            .to_dtype(DType::F32)?
+            .reshape((max_pos, 1))?;
+        let freqs = pos.broadcast_mul(&inv)?; // [max_pos, hd/2]
+        let to = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?) };
+        Ok(Self {
+            dtype,
+            heads,
+            kv_heads,
+            embed: to(w.embed.clone())?,
+            layers,
+            final_norm: to(w.final_norm.clone())?,
+            lm_head: w.lm_head.qmatmul()?,
+            cos: to(freqs.cos()?)?,
+            sin: to(freqs.sin()?)?,
+            config: cfg,
+        })
+    }
+
+    fn layer(l: &LayerWeights, dtype: DType) -> Result<CpuLayer> {
+        let c = |t: &Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?) };
+        let co = |t: &Option<Tensor>| -> Result<Option<Tensor>> { t.as_ref().map(c).transpose() };
+        Ok(CpuLayer {
+            attn_norm: c(&l.attn_norm)?,
+            q: l.q.qmatmul()?,
+            k: l.k.qmatmul()?,
+            v: l.v.qmatmul()?,
+            o: l.o.qmatmul()?,
+            q_bias: co(&l.q_bias)?,
+            k_bias: co(&l.k_bias)?,
+            v_bias: co(&l.v_bias)?,
+            q_norm: co(&l.q_norm)?,
+            k_norm: co(&l.k_norm)?,
+            mlp_norm: c(&l.mlp_norm)?,
+            gate: l.gate.qmatmul()?,
+            up: l.up.qmatmul()?,
+            down: l.down.qmatmul()?,
+        })
+    }
+
+    /// The model's configuration (global shape, not this shard's).
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// This shard's (query heads, KV heads).
+    pub fn local_heads(&self) -> (usize, usize) {
+        (self.heads, self.kv_heads)
+    }
+
+    /// A KV cache for up to `capacity` tokens (at most the model's context length).
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let max = self.config.max_position_embeddings;
+        if capacity == 0 || capacity > max {
+            return Err(Error::InvalidInput(format!(
+                "KV capacity {capacity} must be in 1..={max} (the model's context length)"
+            )));
+        }
+        let shape = (self.kv_heads, capacity, self.config.head_dim);
+        let mk = || Tensor::zeros(shape, self.dtype, &Device::Cpu);
+        let n = self.layers.len();
+        Ok(KvCache {
+            k: (0..n).map(|_| mk()).collect::<candle_core::Result<_>>()?,
+            v: (0..n).map(|_| mk()).collect::<candle_core::Result<_>>()?,
+            len: 0,
+            capacity,
+        })
+    }
+
+    /// Runs the whole prompt at once, filling the cache; returns the last position's logits.
+    pub fn prefill(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.forward_with(cache, tokens, &mut NoReduce)
+    }
+
+    /// Runs one token at position `cache.len()`; returns its logits.
+    pub fn decode_step(&self, cache: &mut KvCache, token: u32) -> Result<Vec<f32>> {
+        self.forward_with(cache, &[token], &mut NoReduce)
+    }
+
+    /// Runs `tokens` at positions `cache.len()..`, reducing partial sums through `reducer`;
+    /// returns the logits of the last token (`[V]`, f32). On error the cache is unchanged.
+    pub fn forward_with(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Vec<f32>> {
+        let logits = self.forward_hidden(cache, tokens, reducer)?;
+        Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
+    fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<()> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidInput("no tokens to run".into()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
+            return Err(Error::TokenOutOfRange { token: t, vocab: self.config.vocab_size });
+        }
+        if cache.k.len() != self.layers.len() {
+            return Err(Error::InvalidInput("KV cache belongs to another model".into()));
+        }
+        let end = cache.len + tokens.len();
+        if end > cache.capacity {
+            return Err(Error::ContextOverflow { position: end - 1, capacity: cache.capacity });
+        }
+        Ok(())
+    }
+
+    fn forward_hidden(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Tensor> {
+        self.check_input(cache, tokens)?;
+        let cfg = &self.config;
+        let (t, start) = (tokens.len(), cache.len);
+        let (h, kv, hd) = (self.heads, self.kv_heads, cfg.head_dim);
+        let g = h / kv;
+        let s = start + t;
+        let ids = Tensor::new(tokens, &Device::Cpu)?;
+        let mut x = self.embed.index_select(&ids, 0)?; // [T, D]
+        let cos = self.cos.narrow(0, start, t)?; // [T, hd/2]
+        let sin = self.sin.narrow(0, start, t)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        // Causal mask for prefill: query (g, t) may see keys 0..=start+t. Rows are [G*T].
+        let mask = if t > 1 {
+            let m: Vec<f32> = (0..g * t)
+                .flat_map(|row| {
+                    let qpos = start + row % t;
+                    (0..s).map(move |kpos| if kpos <= qpos { 0.0 } else { f32::NEG_INFINITY })
+                })
+                .collect();
+            Some(Tensor::from_vec(m, (g * t, s), &Device::Cpu)?.to_dtype(self.dtype)?)
+        } else {
+            None
+        };
+
+        for (li, l) in self.layers.iter().enumerate() {
+            // ---- attention ----
+            let hn = rms_norm(&x, &l.attn_norm, cfg.rms_norm_eps)?;
+            let q = linear(&hn, &l.q, l.q_bias.as_ref())?; // [T, H*hd]
+            let k = linear(&hn, &l.k, l.k_bias.as_ref())?; // [T, KV*hd]
+            let v = linear(&hn, &l.v, l.v_bias.as_ref())?; // [T, KV*hd]
+            let mut q = q.reshape((t, h, hd))?.transpose(0, 1)?.contiguous()?; // [H, T, hd]
+            let mut k = k.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?; // [KV, T, hd]
+            let v = v.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?; // [KV, T, hd]
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                q = rms_norm(&q, qn, cfg.rms_norm_eps)?; // per head, over hd
+                k = rms_norm(&k, kn, cfg.rms_norm_eps)?;
+            }
+            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?; // [H, T, hd]
+            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?; // [KV, T, hd]
+            cache.k[li].slice_set(&k, 1, start)?;
+            cache.v[li].slice_set(&v, 1, start)?;
+            let keys = cache.k[li].narrow(1, 0, s)?; // [KV, S, hd]
+            let vals = cache.v[li].narrow(1, 0, s)?; // [KV, S, hd]
+            // Heads h = kv*G + g share KV head kv: [H, T, hd] -> [KV, G*T, hd].
+            let q = q.reshape((kv, g * t, hd))?;
+            let att = (q.matmul(&keys.t()?)? * scale)?; // [KV, G*T, S]
+            let att = match &mask {
+                Some(m) => att.broadcast_add(m)?,
+                None => att,
+            };
+            let att = candle_nn::ops::softmax_last_dim(&att)?;
+            let o = att.matmul(&vals)?; // [KV, G*T, hd]
+            let o = o.reshape((h, t, hd))?.transpose(0, 1)?.reshape((t, h * hd))?; // [T, H*hd]
+            let o = reducer.all_reduce(linear(&o, &l.o, None)?)?; // [T, D]
+            x = (x + o)?;
+
+            // ---- MLP ----
+            let hn = rms_norm(&x, &l.mlp_norm, cfg.rms_norm_eps)?;
+            let gate = candle_nn::ops::silu(&linear(&hn, &l.gate, None)?)?; // [T, F]
+            let up = linear(&hn, &l.up, None)?; // [T, F]
+            let down = reducer.all_reduce(linear(&(gate * up)?, &l.down, None)?)?; // [T, D]
+            x = (x + down)?;
+        }
+        cache.len = s;
+        let last = x.narrow(0, t - 1, 1)?; // [1, D]
+        let last = rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)?;
+        Ok(self.lm_head.forward(&last)?) // [1, V]
+    }
+}

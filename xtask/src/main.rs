@@ -1,0 +1,32 @@
+//! `cargo xtask …`: the project's automation, in plain Rust.
+//!
+//! - `cargo xtask ci [--gpu]`: format check, clippy (warnings denied), the PTX check, all tests;
+//!   `--gpu` also runs the GPU-only tests (needs a CUDA GPU).
+//! - `cargo xtask ptx [--check]`: builds the CUDA kernels to PTX (see `ptx.rs`).
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod ci;
+mod ptx;
+
+#[derive(Parser)]
+#[command(name = "xtask", about = "ferrum's project automation")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run everything CI runs: fmt, clippy, ptx --check, tests (and GPU tests with --gpu).
+    Ci(ci::CiArgs),
+    /// Build the CUDA kernels to PTX; with --check, verify the committed PTX instead.
+    Ptx(ptx::PtxArgs),
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Ci(a) => ci::run(a),
+        Cmd::Ptx(a) => ptx::run(a),
+    }
+}
