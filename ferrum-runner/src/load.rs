@@ -281,6 +281,14 @@ pub(crate) fn assemble(
     progress: Progress<'_>,
 ) -> Result<ModelWeights> {
     cfg.validate()?;
+    if cfg.has_o_bias() {
+        // HF Llama/Qwen3 put the bias on o_proj too when `attention_bias` is set;
+        // `LayerWeights` has no field for it yet.
+        return Err(Error::BadConfig(format!(
+            "{} with attention_bias (which also biases o_proj) is not supported yet",
+            cfg.arch.name()
+        )));
+    }
     let total = weight_names(cfg).len();
     let mut done = 0usize;
     let mut tick = |progress: &mut dyn FnMut(usize, usize)| {
@@ -323,7 +331,6 @@ pub(crate) fn assemble(
             q_bias: dense.remove(&LayerWeight::QBias),
             k_bias: dense.remove(&LayerWeight::KBias),
             v_bias: dense.remove(&LayerWeight::VBias),
-            o_bias: dense.remove(&LayerWeight::OBias),
             q_norm: dense.remove(&LayerWeight::QNorm),
             k_norm: dense.remove(&LayerWeight::KNorm),
             mlp_norm,

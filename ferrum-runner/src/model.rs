@@ -10,7 +10,7 @@
 //! (after the attention output projection and after the MLP down projection) call a
 //! [`Reducer`], which is a no-op for a whole model.
 
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};

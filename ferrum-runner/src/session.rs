@@ -182,7 +182,7 @@ pub fn weight_bytes_per_token(w: &ModelWeights) -> u64 {
 fn load_tokenizer(m: &LoadedModel) -> Result<Tokenizer> {
     match &m.source {
         crate::load::ModelSource::Gguf { metadata, .. } => Tokenizer::from_gguf_metadata(metadata),
-        crate::load::ModelSource::HfDir { dir } => Tokenizer::from_hf_dir(dir),
+        crate::load::ModelSource::HfDir { path } => Tokenizer::from_hf_dir(path),
     }
 }
 

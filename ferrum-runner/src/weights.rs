@@ -89,7 +89,8 @@ pub enum LayerWeight {
     QBias,
     KBias,
     VBias,
-    /// Output projection bias (Llama/Qwen3 with `attention_bias`).
+    /// Output projection bias (Llama/Qwen3 with `attention_bias`; not held by
+    /// [`LayerWeights`] yet, so loaders reject such models).
     OBias,
     QNorm,
     KNorm,
@@ -116,9 +117,6 @@ pub struct LayerWeights {
     pub q_bias: Option<Tensor>,
     pub k_bias: Option<Tensor>,
     pub v_bias: Option<Tensor>,
-    /// `[D]`, added after the output projection (and after the TP all-reduce): only Llama or
-    /// Qwen3 configs with `attention_bias: true` (see [`ModelConfig::has_o_bias`]).
-    pub o_bias: Option<Tensor>,
     /// `[hd]` each (Qwen3 only)
     pub q_norm: Option<Tensor>,
     pub k_norm: Option<Tensor>,

@@ -3,9 +3,11 @@
 //! - `cargo xtask ci [--gpu]`: format check, clippy (warnings denied), the PTX check, all tests;
 //!   `--gpu` also runs the GPU-only tests (needs a CUDA GPU).
 //! - `cargo xtask ptx [--check]`: builds the CUDA kernels to PTX (see `ptx.rs`).
+//! - `cargo xtask gpu-bundle [--cuda-only]`: builds the GPU suite into `bundle/` (see `bundle.rs`).
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
+mod bundle;
 mod ci;
 mod ptx;
 
@@ -22,11 +24,14 @@ enum Cmd {
     Ci(ci::CiArgs),
     /// Build the CUDA kernels to PTX; with --check, verify the committed PTX instead.
     Ptx(ptx::PtxArgs),
+    /// Build the GPU test executables and the `ferrum` binary into `bundle/` (release, cuda).
+    GpuBundle(bundle::BundleArgs),
 }
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Ci(a) => ci::run(a),
         Cmd::Ptx(a) => ptx::run(a),
+        Cmd::GpuBundle(a) => bundle::run(a),
     }
 }

@@ -42,10 +42,7 @@ pub struct PtxArgs {
 }
 
 fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask sits in the workspace")
-        .to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask sits in the workspace").to_path_buf()
 }
 
 /// An nvcc found (or installed) with the pinned version.
@@ -114,13 +111,12 @@ pub fn find_nvcc() -> Result<Nvcc> {
     if !status.success() {
         bail!("pip install of nvcc {NVCC_VERSION} failed ({status})");
     }
-    nvcc_at(cached.clone()).with_context(|| format!("{} is not nvcc {NVCC_VERSION} after the install", cached.display()))
+    nvcc_at(cached.clone())
+        .with_context(|| format!("{} is not nvcc {NVCC_VERSION} after the install", cached.display()))
 }
 
 fn header(name: &str) -> String {
-    format!(
-        "{HEADER_PREFIX} from ferrum-cuda/kernels/{name}.cu (nvcc {NVCC_VERSION}, -arch={ARCH} -O3), do not edit\n"
-    )
+    format!("{HEADER_PREFIX} from ferrum-cuda/kernels/{name}.cu (nvcc {NVCC_VERSION}, -arch={ARCH} -O3), do not edit\n")
 }
 
 /// The `.cu` sources, by module name, sorted.
@@ -143,15 +139,18 @@ fn compile(nvcc: &Nvcc, root: &Path, name: &str, out_dir: &Path) -> Result<Strin
     let mut cmd = Command::new(&nvcc.bin);
     // Relative source path and cwd in the kernels folder: nothing machine-specific can end up in
     // the PTX (it holds no paths without -lineinfo/-G anyway; the check rebuilds and compares).
-    cmd.current_dir(&kdir)
-        .args(["-ptx", &format!("-arch={ARCH}"), "-O3", "-std=c++17", "-I."]);
+    cmd.current_dir(&kdir).args(["-ptx", &format!("-arch={ARCH}"), "-O3", "-std=c++17", "-I."]);
     for inc in &nvcc.includes {
         cmd.arg(format!("-I{}", inc.display()));
     }
     cmd.arg("-o").arg(&out).arg(format!("{name}.cu"));
     let o = cmd.output().with_context(|| format!("running {}", nvcc.bin.display()))?;
     if !o.status.success() {
-        bail!("nvcc failed on {name}.cu:\n{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+        bail!(
+            "nvcc failed on {name}.cu:\n{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
     }
     let body = fs::read_to_string(&out)?;
     Ok(format!("{}{}", header(name), body))

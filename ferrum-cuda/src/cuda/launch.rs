@@ -1,0 +1,496 @@
+//! One typed Rust function per kernel (and per cuBLAS call). Each takes [`Region`]s — device
+//! pointers whose extent was checked against their allocation — and checks, before launching,
+//! that every region covers what the kernel touches for the given dimensions.
+use super::DevBuf;
+use crate::error::{Error, Result};
+use crate::kernel_list::Kernel;
+use crate::ptx;
+use crate::spec::DType;
+use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// A bounds-checked piece of a device allocation: `len` elements of `T` from `ptr`.
+/// Borrowing the allocation for `'a` keeps it alive while the region is used.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Region<'a, T> {
+    ptr: u64,
+    len: usize,
+    _buf: PhantomData<&'a T>,
+}
+
+impl<T> Region<'_, T> {
+    /// The null region (an absent optional argument; kernels test for null).
+    pub(crate) fn null() -> Self {
+        Region { ptr: 0, len: 0, _buf: PhantomData }
+    }
+    fn need(&self, n: usize, what: &str) -> Result<u64> {
+        if n > self.len {
+            return Err(Error::Internal(format!("{what}: needs {n} elements, region holds {}", self.len)));
+        }
+        Ok(self.ptr)
+    }
+    /// Pointer for an optional argument: null when the region is null, else checked like `need`.
+    fn opt(&self, n: usize, what: &str) -> Result<u64> {
+        if self.ptr == 0 {
+            Ok(0)
+        } else {
+            self.need(n, what)
+        }
+    }
+}
+
+/// `len` elements of `buf` from element `offset`, checked against the allocation.
+pub(crate) fn region<'a, T>(
+    buf: &'a DevBuf<T>,
+    stream: &CudaStream,
+    offset: usize,
+    len: usize,
+) -> Result<Region<'a, T>> {
+    let end = offset.checked_add(len).ok_or_else(|| Error::Internal("region overflows".into()))?;
+    if end > buf.len() {
+        return Err(Error::Internal(format!("region {offset}..{end} outside an allocation of {} elements", buf.len())));
+    }
+    // Event tracking is off for the runner's context (one stream), so the guard returned with
+    // the pointer does nothing and can be dropped at once.
+    let (base, _guard) = buf.device_ptr(stream);
+    Ok(Region { ptr: base + (offset * std::mem::size_of::<T>()) as u64, len, _buf: PhantomData })
+}
+
+/// A whole allocation as a region.
+pub(crate) fn whole<'a, T>(buf: &'a DevBuf<T>, stream: &CudaStream) -> Result<Region<'a, T>> {
+    region(buf, stream, 0, buf.len())
+}
+
+fn i32_of(v: usize, what: &str) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::Internal(format!("{what} = {v} does not fit in i32")))
+}
+
+fn grid1(n: usize) -> Result<u32> {
+    u32::try_from(n.max(1)).map_err(|_| Error::Internal(format!("grid {n} too large")))
+}
+
+fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn pick(dtype: DType, f16: Kernel, bf16: Kernel) -> Kernel {
+    match dtype {
+        DType::F16 => f16,
+        DType::BF16 => bf16,
+    }
+}
+
+/// Block size for row-wise norms.
+fn norm_block(hidden: usize) -> u32 {
+    if hidden >= 4096 {
+        1024
+    } else if hidden >= 1024 {
+        512
+    } else {
+        256
+    }
+}
+
+/// The loaded kernels and the cuBLAS handle, bound to one stream.
+pub(crate) struct Kernels {
+    funcs: Vec<CudaFunction>,
+    _modules: Vec<Arc<CudaModule>>,
+    pub(crate) stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    pub(crate) dtype: DType,
+}
+
+impl std::fmt::Debug for Kernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Kernels").field("kernels", &self.funcs.len()).field("dtype", &self.dtype).finish()
+    }
+}
+
+pub(crate) const GEMV_ROWS_PER_BLOCK: usize = 16; // 8 warps x GEMV_ROWS (2), see gemv.cu
+const GEMV_BLOCK: u32 = 256;
+pub(crate) const ARGMAX_CHUNK: usize = 4096;
+pub(crate) const ATTN_MAX_WARPS: u32 = 8;
+
+impl Kernels {
+    pub(crate) fn load(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, dtype: DType) -> Result<Self> {
+        let mut modules = Vec::new();
+        for (name, text) in ptx::MODULES {
+            let m = ctx
+                .load_module(Ptx::from_src(*text))
+                .map_err(|e| Error::Driver { what: "loading PTX", msg: format!("module {name}: {e}") })?;
+            modules.push(m);
+        }
+        let mut funcs = Vec::with_capacity(Kernel::ALL.len());
+        for k in Kernel::ALL {
+            let f =
+                modules.iter().find_map(|m| m.load_function(k.name()).ok()).ok_or(Error::MissingKernel(k.name()))?;
+            funcs.push(f);
+        }
+        let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
+        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype })
+    }
+
+    fn builder(&self, k: Kernel) -> LaunchArgs<'_> {
+        // Kernel::ALL[i] == i-th variant and `funcs` was filled in that order.
+        self.stream.launch_builder(&self.funcs[k as usize])
+    }
+
+    /// `x[r][:] = table[tokens[r]][:]` for `rows` rows (ids >= vocab give zero rows).
+    pub(crate) fn embed(
+        &self,
+        x: Region<'_, f32>,
+        table: Region<'_, u16>,
+        tokens: Region<'_, u32>,
+        rows: usize,
+        vocab: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        let px = x.need(rows * hidden, "embed x")?;
+        let pt = table.need(vocab * hidden, "embed table")?;
+        let ptok = tokens.need(rows, "embed tokens")?;
+        let (vocab, hidden) = (i32_of(vocab, "vocab")?, i32_of(hidden, "hidden")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::EmbedF16, Kernel::EmbedBf16));
+        b.arg(&px).arg(&pt).arg(&ptok).arg(&vocab).arg(&hidden);
+        // SAFETY: the kernel writes x[0 .. rows*hidden), reads tokens[0 .. rows) and, for ids
+        // below vocab only (it checks), table[0 .. vocab*hidden): all three extents were checked
+        // above against regions that lie inside live allocations; the argument list matches
+        // the kernel's signature (f32*, T*, u32*, int, int).
+        unsafe { b.launch(cfg((grid1(rows)?, 1, 1), 256)) }.map_err(Error::driver("embed"))?;
+        Ok(())
+    }
+
+    /// `y[r] = rmsnorm(x[r]) * w` for `rows` rows of `hidden`.
+    pub(crate) fn rmsnorm(
+        &self,
+        y: Region<'_, u16>,
+        x: Region<'_, f32>,
+        w: Region<'_, u16>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let py = y.need(rows * hidden, "rmsnorm y")?;
+        let px = x.need(rows * hidden, "rmsnorm x")?;
+        let pw = w.need(hidden, "rmsnorm w")?;
+        let h = i32_of(hidden, "hidden")?;
+        let mut b = self.builder(pick(self.dtype, Kernel::RmsNormF16, Kernel::RmsNormBf16));
+        b.arg(&py).arg(&px).arg(&pw).arg(&h).arg(&eps);
+        // SAFETY: one block per row reads x and writes y at [r*hidden, (r+1)*hidden) for
+        // r < rows, and reads w[0 .. hidden): extents checked above; signature
+        // (T*, const f32*, const T*, int, float) matches.
+        unsafe { b.launch(cfg((grid1(rows)?, 1, 1), norm_block(hidden))) }.map_err(Error::driver("rmsnorm"))?;
+        Ok(())
+    }
+
+    /// `x[r] += delta[r]; y[r] = rmsnorm(x[r]) * w`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn add_rmsnorm(
+        &self,
+        x: Region<'_, f32>,
+        delta: Region<'_, u16>,
+        y: Region<'_, u16>,
+        w: Region<'_, u16>,
+        rows: usize,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let px = x.need(rows * hidden, "add_rmsnorm x")?;
+        let pd = delta.need(rows * hidden, "add_rmsnorm delta")?;
+        let py = y.need(rows * hidden, "add_rmsnorm y")?;
+        let pw = w.need(hidden, "add_rmsnorm w")?;
+        let h = i32_of(hidden, "hidden")?;
+        let mut b = self.builder(pick(self.dtype, Kernel::AddRmsNormF16, Kernel::AddRmsNormBf16));
+        b.arg(&px).arg(&pd).arg(&py).arg(&pw).arg(&h).arg(&eps);
+        // SAFETY: as for rmsnorm, plus delta read over the same rows*hidden extent; all checked
+        // above; signature (f32*, const T*, T*, const T*, int, float) matches.
+        unsafe { b.launch(cfg((grid1(rows)?, 1, 1), norm_block(hidden))) }.map_err(Error::driver("add_rmsnorm"))?;
+        Ok(())
+    }
+
+    /// Bias, q/k norm, RoPE on the q|k|v rows (q in place) and the K/V append to one layer's
+    /// cache (`[kv_heads][capacity][head_dim]`) at positions `pos[0] + t`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_qkv(
+        &self,
+        qkv: Region<'_, u16>,
+        bias: Region<'_, u16>,
+        q_norm: Region<'_, u16>,
+        k_norm: Region<'_, u16>,
+        k_cache: Region<'_, u16>,
+        v_cache: Region<'_, u16>,
+        inv_freq: Region<'_, f32>,
+        pos: Region<'_, u32>,
+        n_tok: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let row = (heads + 2 * kv_heads) * head_dim;
+        let p_qkv = qkv.need(n_tok * row, "rope qkv")?;
+        let p_bias = bias.opt(row, "rope bias")?;
+        let p_qn = q_norm.opt(head_dim, "rope q_norm")?;
+        let p_kn = k_norm.opt(head_dim, "rope k_norm")?;
+        let p_kc = k_cache.need(kv_heads * capacity * head_dim, "rope k cache")?;
+        let p_vc = v_cache.need(kv_heads * capacity * head_dim, "rope v cache")?;
+        let p_f = inv_freq.need(head_dim / 2, "rope inv_freq")?;
+        let p_pos = pos.need(1, "rope pos")?;
+        let (h, kvh, hd, cap) = (
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let block = (head_dim / 2).div_ceil(32) as u32 * 32;
+        let mut b = self.builder(pick(self.dtype, Kernel::RopeQkvF16, Kernel::RopeQkvBf16));
+        b.arg(&p_qkv).arg(&p_bias).arg(&p_qn).arg(&p_kn).arg(&p_kc).arg(&p_vc).arg(&p_f).arg(&p_pos);
+        b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&eps);
+        // SAFETY: blocks (head, t) touch qkv[t*row + head*hd .. +hd) for t < n_tok, bias over
+        // one row (when non-null), the norms over head_dim, inv_freq over head_dim/2, pos[0];
+        // cache writes land at [kvh][pos][0..hd) only when pos < capacity (the kernel checks,
+        // and the caller validated positions). Extents checked above.
+        unsafe { b.launch(cfg(((heads + 2 * kv_heads) as u32, grid1(n_tok)?, 1), block)) }
+            .map_err(Error::driver("rope_qkv"))?;
+        Ok(())
+    }
+
+    /// Attention of `n_tok` query rows (row stride `q_stride`) over one layer's cache. With
+    /// `n_splits == 1` writes `out` directly; else writes partials for [`Self::attn_combine`].
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn(
+        &self,
+        q: Region<'_, u16>,
+        q_stride: usize,
+        k_cache: Region<'_, u16>,
+        v_cache: Region<'_, u16>,
+        out: Region<'_, u16>,
+        part_acc: Region<'_, f32>,
+        part_ml: Region<'_, f32>,
+        pos: Region<'_, u32>,
+        n_tok: usize,
+        n_splits: usize,
+        warps: u32,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<()> {
+        if !crate::spec::SUPPORTED_HEAD_DIMS.contains(&head_dim) || warps == 0 || warps > ATTN_MAX_WARPS {
+            return Err(Error::Internal(format!("attn: head_dim {head_dim}, warps {warps}")));
+        }
+        if q_stride < heads * head_dim {
+            return Err(Error::Internal("attn: q stride".into()));
+        }
+        if n_tok == 0 {
+            return Err(Error::Internal("attn: no tokens".into()));
+        }
+        let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn q")?;
+        let pk = k_cache.need(kv_heads * capacity * head_dim, "attn k cache")?;
+        let pv = v_cache.need(kv_heads * capacity * head_dim, "attn v cache")?;
+        let (po, pa, pm) = if n_splits == 1 {
+            (out.need(n_tok * heads * head_dim, "attn out")?, 0u64, 0u64)
+        } else {
+            (
+                0u64,
+                part_acc.need(n_tok * heads * n_splits * head_dim, "attn part_acc")?,
+                part_ml.need(n_tok * heads * n_splits * 2, "attn part_ml")?,
+            )
+        };
+        let ppos = pos.need(1, "attn pos")?;
+        let qs = i32_of(q_stride, "q_stride")?;
+        let (h, kvh, hd, cap) = (
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let scale = 1.0f32 / (head_dim as f32).sqrt();
+        let mut b = self.builder(pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16));
+        b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&ppos);
+        b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
+        let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
+        // SAFETY: block (h, s, t) reads q[t*q_stride + h*hd .. +hd) and cache rows
+        // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
+        // either out[t][h*hd .. +hd) (one split) or partials at ((t*heads + h)*n_splits + s);
+        // all extents checked above; the unused outputs are null and never touched.
+        unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
+        Ok(())
+    }
+
+    /// Merges `n_splits` attention partials into `out` `[n_tok][heads*head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_combine(
+        &self,
+        out: Region<'_, u16>,
+        part_acc: Region<'_, f32>,
+        part_ml: Region<'_, f32>,
+        n_tok: usize,
+        n_splits: usize,
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let po = out.need(n_tok * heads * head_dim, "combine out")?;
+        let pa = part_acc.need(n_tok * heads * n_splits * head_dim, "combine part_acc")?;
+        let pm = part_ml.need(n_tok * heads * n_splits * 2, "combine part_ml")?;
+        let (h, hd, ns) = (i32_of(heads, "heads")?, i32_of(head_dim, "head_dim")?, i32_of(n_splits, "n_splits")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::AttnCombineF16, Kernel::AttnCombineBf16));
+        b.arg(&po).arg(&pa).arg(&pm).arg(&h).arg(&hd).arg(&ns);
+        let block = head_dim.div_ceil(32) as u32 * 32;
+        // SAFETY: block (h, t) thread d < hd reads partials ((t*heads + h)*n_splits + s) for
+        // s < n_splits and writes out[t][h*hd + d]; extents checked above.
+        unsafe { b.launch(cfg((heads as u32, grid1(n_tok)?, 1), block)) }.map_err(Error::driver("attn_combine"))?;
+        Ok(())
+    }
+
+    /// `y = W x` (batch 1) with ferrum's GEMV. `silu`: x is the gate|up row of width 2*cols and
+    /// the kernel uses silu(gate)*up. `f32_out`: y is fp32 (the `y32` region) instead of `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv(
+        &self,
+        y: Region<'_, u16>,
+        y32: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, u16>,
+        rows: usize,
+        cols: usize,
+        silu: bool,
+    ) -> Result<()> {
+        let f32_out = y32.ptr != 0;
+        if f32_out && silu {
+            return Err(Error::Internal("gemv: silu with f32 output".into()));
+        }
+        let py = if f32_out { y32.need(rows, "gemv y32")? } else { y.need(rows, "gemv y")? };
+        let pw = w.need(rows * cols, "gemv W")?;
+        let px = x.need(if silu { 2 * cols } else { cols }, "gemv x")?;
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        let k = match (f32_out, silu) {
+            (true, _) => pick(self.dtype, Kernel::GemvF32OutF16, Kernel::GemvF32OutBf16),
+            (false, true) => pick(self.dtype, Kernel::GemvSiluF16, Kernel::GemvSiluBf16),
+            (false, false) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+        };
+        let mut b = self.builder(k);
+        b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
+        let grid = grid1(rows.div_ceil(GEMV_ROWS_PER_BLOCK))?;
+        // SAFETY: each warp reads rows r0 .. r0+2 of W (clamped to rows-1) over cols, x over
+        // cols (2*cols with silu) and writes y[r] for r < rows only; extents checked above;
+        // the 16-byte path runs only when cols % 8 == 0, where every row start is 16-byte
+        // aligned (allocations are 256-byte aligned and region offsets are whole rows).
+        unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv"))?;
+        Ok(())
+    }
+
+    /// `out[t][i] = silu(gu[t][i]) * gu[t][inter + i]`.
+    pub(crate) fn silu_mul(&self, out: Region<'_, u16>, gu: Region<'_, u16>, inter: usize, n_tok: usize) -> Result<()> {
+        let po = out.need(n_tok * inter, "silu out")?;
+        let pg = gu.need(n_tok * 2 * inter, "silu gu")?;
+        let (i, n) = (i32_of(inter, "inter")?, i32_of(n_tok, "n_tok")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::SiluMulF16, Kernel::SiluMulBf16));
+        b.arg(&po).arg(&pg).arg(&i).arg(&n);
+        let grid = grid1((n_tok * inter).div_ceil(256).min(65535))?;
+        // SAFETY: grid-stride over k < n_tok*inter: writes out[k], reads gu[t*2*inter + i] and
+        // gu[t*2*inter + inter + i] with t < n_tok, i < inter; extents checked above.
+        unsafe { b.launch(cfg((grid, 1, 1), 256)) }.map_err(Error::driver("silu_mul"))?;
+        Ok(())
+    }
+
+    /// Index of the largest of `n` logits into `out[0]` (smallest index on ties).
+    pub(crate) fn argmax(
+        &self,
+        logits: Region<'_, f32>,
+        n: usize,
+        part_v: Region<'_, f32>,
+        part_i: Region<'_, u32>,
+        out: Region<'_, u32>,
+    ) -> Result<()> {
+        let parts = n.div_ceil(ARGMAX_CHUNK);
+        let pl = logits.need(n, "argmax logits")?;
+        let pv = part_v.need(parts, "argmax part_v")?;
+        let pi = part_i.need(parts, "argmax part_i")?;
+        let po = out.need(1, "argmax out")?;
+        let (nn, chunk, np) = (i32_of(n, "n")?, ARGMAX_CHUNK as i32, i32_of(parts, "parts")?);
+        let mut b = self.builder(Kernel::ArgmaxPartial);
+        b.arg(&pl).arg(&nn).arg(&chunk).arg(&pv).arg(&pi);
+        // SAFETY: block b reads logits[b*chunk .. min((b+1)*chunk, n)) and writes part[b] for
+        // b < parts = ceil(n/chunk); extents checked above.
+        unsafe { b.launch(cfg((grid1(parts)?, 1, 1), 256)) }.map_err(Error::driver("argmax_partial"))?;
+        let mut b = self.builder(Kernel::ArgmaxFinal);
+        b.arg(&pv).arg(&pi).arg(&np).arg(&po);
+        // SAFETY: one block reads part[0 .. parts) and writes out[0]; extents checked above.
+        unsafe { b.launch(cfg((1, 1, 1), 256)) }.map_err(Error::driver("argmax_final"))?;
+        Ok(())
+    }
+
+    /// Fills `out` with `offset + half_width * u`, `u` uniform in [-1, 1) hashed from (seed, index).
+    pub(crate) fn init_uniform(&self, out: Region<'_, u16>, seed: u64, offset: f32, half_width: f32) -> Result<()> {
+        let n = out.len as u64;
+        let po = out.need(out.len, "init out")?;
+        let mut b = self.builder(pick(self.dtype, Kernel::InitUniformF16, Kernel::InitUniformBf16));
+        b.arg(&po).arg(&n).arg(&seed).arg(&offset).arg(&half_width);
+        let grid = grid1(out.len.div_ceil(256).min(65535))?;
+        // SAFETY: grid-stride writes out[k] for k < n = the region's length.
+        unsafe { b.launch(cfg((grid, 1, 1), 256)) }.map_err(Error::driver("init_uniform"))?;
+        Ok(())
+    }
+
+    /// `Y[n][rows] = X[n][cols] · W[rows][cols]^T` through cuBLAS (fp32 compute); `y32` set:
+    /// fp32 output there instead of `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        y: Region<'_, u16>,
+        y32: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, u16>,
+        rows: usize,
+        cols: usize,
+        n: usize,
+    ) -> Result<()> {
+        let f32_out = y32.ptr != 0;
+        let py = if f32_out { y32.need(n * rows, "gemm y32")? } else { y.need(n * rows, "gemm y")? };
+        let pw = w.need(rows * cols, "gemm W")?;
+        let px = x.need(n * cols, "gemm X")?;
+        let (m, nn, k) = (i32_of(rows, "rows")?, i32_of(n, "n")?, i32_of(cols, "cols")?);
+        let ab = match self.dtype {
+            DType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
+            DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
+        };
+        let ct = if f32_out { blas_sys::cudaDataType::CUDA_R_32F } else { ab };
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: column-major view: A = W as [cols x rows] (lda = cols, transposed), B = X as
+        // [cols x n] (ldb = cols), C = Y as [rows x n] (ldc = rows). cuBLAS reads rows*cols
+        // elements of W, n*cols of X and writes n*rows of Y, each checked above; alpha/beta
+        // are host f32 scalars matching CUBLAS_COMPUTE_32F (the handle's default host pointer
+        // mode) and outlive the call; the handle is bound to this runner's stream.
+        unsafe {
+            blas_result::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                m,
+                nn,
+                k,
+                (&alpha as *const f32).cast(),
+                pw as *const std::ffi::c_void,
+                ab,
+                k,
+                px as *const std::ffi::c_void,
+                ab,
+                k,
+                (&beta as *const f32).cast(),
+                py as *mut std::ffi::c_void,
+                ct,
+                m,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT_TENSOR_OP,
+            )
+        }
+        .map_err(Error::cublas("gemm"))?;
+        Ok(())
+    }
+}

@@ -1,0 +1,947 @@
+//! The CUDA backend: device queries, the decode runner, its KV cache store.
+mod launch;
+
+use crate::error::{Error, Result};
+use crate::spec::{CopyBandwidth, CudaModelSpec, DType, DeviceInfo, HostTensor, HostWeights, Projection};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
+use launch::{region, whole, Kernels, Region};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub(crate) type DevBuf<T> = CudaSlice<T>;
+
+/// Tokens per prefill pass (longer prompts are processed in chunks of this many).
+pub const PREFILL_CHUNK: usize = 512;
+/// Most KV splits of the decode attention.
+pub const MAX_SPLITS: usize = 64;
+
+fn unavailable(e: DriverError) -> Error {
+    Error::Unavailable(e.to_string())
+}
+
+fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let n = CudaContext::device_count().map_err(unavailable)?;
+    if ordinal >= n.max(0) as usize {
+        return Err(Error::Unavailable(format!("no CUDA device {ordinal} ({n} found)")));
+    }
+    CudaContext::new(ordinal).map_err(unavailable)
+}
+
+/// Number of CUDA devices.
+pub fn device_count() -> Result<usize> {
+    Ok(CudaContext::device_count().map_err(unavailable)?.max(0) as usize)
+}
+
+fn info_of(ctx: &Arc<CudaContext>) -> Result<DeviceInfo> {
+    let (free, total) = ctx.mem_get_info().map_err(Error::driver("cuMemGetInfo"))?;
+    Ok(DeviceInfo {
+        ordinal: ctx.ordinal(),
+        name: ctx.name().map_err(Error::driver("cuDeviceGetName"))?,
+        compute_capability: ctx.compute_capability().map_err(Error::driver("compute capability"))?,
+        total_memory: total as u64,
+        free_memory: free as u64,
+    })
+}
+
+/// Name, compute capability and memory of device `ordinal`.
+pub fn device_info(ordinal: usize) -> Result<DeviceInfo> {
+    info_of(&context(ordinal)?)
+}
+
+/// Times device-to-device copies of `bytes` bytes with CUDA events (3 warm-ups, median of 10)
+/// and reports bytes read plus bytes written per second.
+pub fn measure_copy_bandwidth(ordinal: usize, bytes: usize) -> Result<CopyBandwidth> {
+    if bytes == 0 {
+        return Err(Error::InvalidArgument("copy of 0 bytes".into()));
+    }
+    let ctx = context(ordinal)?;
+    let stream = ctx.new_stream().map_err(Error::driver("creating a stream"))?;
+    let src: CudaSlice<u8> = alloc(&ctx, &stream, bytes, "copy-bandwidth source")?;
+    let mut dst: CudaSlice<u8> = alloc(&ctx, &stream, bytes, "copy-bandwidth destination")?;
+    let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver("creating an event"));
+    let (start, end) = (ev()?, ev()?);
+    for _ in 0..3 {
+        stream.memcpy_dtod(&src, &mut dst).map_err(Error::driver("memcpy"))?;
+    }
+    let mut times = Vec::with_capacity(10);
+    for _ in 0..10 {
+        start.record(&stream).map_err(Error::driver("event record"))?;
+        stream.memcpy_dtod(&src, &mut dst).map_err(Error::driver("memcpy"))?;
+        end.record(&stream).map_err(Error::driver("event record"))?;
+        end.synchronize().map_err(Error::driver("event sync"))?;
+        times.push(start.elapsed_ms(&end).map_err(Error::driver("event time"))? as f64 / 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    let seconds = times[times.len() / 2];
+    Ok(CopyBandwidth { bytes: bytes as u64, seconds, bytes_per_second: 2.0 * bytes as f64 / seconds })
+}
+
+/// Allocates `n` zeroed elements, failing with [`Error::OutOfMemory`] (bytes asked and free)
+/// when the device lacks room.
+fn alloc<T: DeviceRepr + ValidAsZeroBits>(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    n: usize,
+    what: &str,
+) -> Result<CudaSlice<T>> {
+    let n = n.max(1);
+    let asked = n.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| Error::OutOfMemory {
+        what: what.into(),
+        asked: u64::MAX,
+        free: 0,
+        total: 0,
+    })?;
+    let (free, total) = ctx.mem_get_info().map_err(Error::driver("cuMemGetInfo"))?;
+    let oom = || Error::OutOfMemory { what: what.into(), asked: asked as u64, free: free as u64, total: total as u64 };
+    if asked > free {
+        return Err(oom());
+    }
+    stream.alloc_zeros::<T>(n).map_err(|e| {
+        if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            oom()
+        } else {
+            Error::Driver { what: "cuMemAlloc", msg: e.to_string() }
+        }
+    })
+}
+
+/// Where the TP layer sums a per-layer partial result over ranks.
+pub struct ReduceBuf<'a> {
+    /// The buffer (f16 or bf16 bit patterns, per `dtype`), reduced in place.
+    pub data: &'a mut CudaSlice<u16>,
+    /// Elements to reduce (from the start of `data`).
+    pub len: usize,
+    pub dtype: DType,
+    /// The runner's stream: enqueue the reduction on it (or order against it).
+    pub stream: &'a Arc<CudaStream>,
+}
+
+impl std::fmt::Debug for ReduceBuf<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReduceBuf").field("len", &self.len).field("dtype", &self.dtype).finish()
+    }
+}
+
+/// The two per-layer reduction points (after the o-projection, after the down-projection).
+/// Tensor parallelism inserts an all-reduce here; one GPU needs none ([`NoReduce`]).
+pub trait Reducer: Send {
+    /// Sums `buf` over ranks, in place, ordered on `buf.stream`.
+    fn all_reduce(&mut self, buf: ReduceBuf<'_>) -> Result<()>;
+}
+
+/// The single-GPU reducer: does nothing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoReduce;
+
+impl Reducer for NoReduce {
+    fn all_reduce(&mut self, _buf: ReduceBuf<'_>) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Logits of the last position, on the device (fp32, `vocab` of them).
+#[derive(Debug)]
+pub struct DeviceLogits {
+    buf: CudaSlice<f32>,
+}
+
+impl DeviceLogits {
+    /// Number of logits (the vocabulary size).
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+    /// The device buffer.
+    pub fn as_slice(&self) -> &CudaSlice<f32> {
+        &self.buf
+    }
+}
+
+#[derive(Debug)]
+struct LayerW {
+    attn_norm: CudaSlice<u16>,
+    /// `[q_dim + 2*kv_dim, hidden]` (q, k, v stacked).
+    wqkv: CudaSlice<u16>,
+    bqkv: Option<CudaSlice<u16>>,
+    q_norm: Option<CudaSlice<u16>>,
+    k_norm: Option<CudaSlice<u16>>,
+    wo: CudaSlice<u16>,
+    mlp_norm: CudaSlice<u16>,
+    /// `[2*intermediate, hidden]` (gate, up stacked).
+    wgu: CudaSlice<u16>,
+    wdown: CudaSlice<u16>,
+}
+
+#[derive(Debug)]
+struct Weights {
+    embed: CudaSlice<u16>,
+    layers: Vec<LayerW>,
+    final_norm: CudaSlice<u16>,
+    /// `None`: tied to `embed`.
+    lm_head: Option<CudaSlice<u16>>,
+}
+
+/// Activation buffers for up to `cap` tokens per pass (allocated once).
+#[derive(Debug)]
+struct Acts {
+    cap: usize,
+    x: CudaSlice<f32>,
+    y: CudaSlice<u16>,
+    qkv: CudaSlice<u16>,
+    attn: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+    gu: CudaSlice<u16>,
+    h: CudaSlice<u16>,
+    /// `[tokens (cap) | start position]`: the step parameters kernels read.
+    step: CudaSlice<u32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+}
+
+impl Acts {
+    fn new(
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        s: &CudaModelSpec,
+        cap: usize,
+        splits: usize,
+    ) -> Result<Self> {
+        let a = |n: usize, w: &str| alloc::<u16>(ctx, stream, n, w);
+        Ok(Acts {
+            cap,
+            x: alloc::<f32>(ctx, stream, cap * s.hidden, "activations (residual)")?,
+            y: a(cap * s.hidden, "activations (normed)")?,
+            qkv: a(cap * s.qkv_dim(), "activations (qkv)")?,
+            attn: a(cap * s.q_dim(), "activations (attention)")?,
+            o: a(cap * s.hidden, "activations (projection out)")?,
+            gu: a(cap * 2 * s.intermediate, "activations (gate|up)")?,
+            h: a(cap * s.intermediate, "activations (mlp)")?,
+            step: alloc::<u32>(ctx, stream, cap + 1, "step parameters")?,
+            part_acc: alloc::<f32>(ctx, stream, s.heads * splits * s.head_dim, "attention partials")?,
+            part_ml: alloc::<f32>(ctx, stream, s.heads * splits * 2, "attention partials")?,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct Sequence {
+    /// `[layers][kv_heads][capacity][head_dim]`
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    capacity: usize,
+    len: usize,
+    /// KV splits of the decode attention (fixed per sequence, so the grid never changes).
+    n_splits: usize,
+}
+
+/// One GPU's decode runner: weights, activations, KV caches of its sequences, one stream.
+pub struct CudaDecodeRunner {
+    spec: CudaModelSpec,
+    ctx: Arc<CudaContext>,
+    k: Kernels,
+    w: Weights,
+    inv_freq: CudaSlice<f32>,
+    decode: Acts,
+    prefill: Option<Acts>,
+    logits: DeviceLogits,
+    argmax_v: CudaSlice<f32>,
+    argmax_i: CudaSlice<u32>,
+    argmax_out: CudaSlice<u32>,
+    seqs: HashMap<u64, Sequence>,
+    reducer: Box<dyn Reducer>,
+    projection: Projection,
+    sms: usize,
+}
+
+impl std::fmt::Debug for CudaDecodeRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDecodeRunner")
+            .field("spec", &self.spec)
+            .field("dtype", &self.k.dtype)
+            .field("device", &self.ctx.ordinal())
+            .field("sequences", &self.seqs.len())
+            .field("projection", &self.projection)
+            .finish()
+    }
+}
+
+const MATRIX_HALF_WIDTH: f32 = 0.02 * 1.732_050_8; // uniform with std 0.02
+const NORM_HALF_WIDTH: f32 = 0.1;
+
+struct Setup {
+    ctx: Arc<CudaContext>,
+    k: Kernels,
+    sms: usize,
+}
+
+fn setup(spec: &CudaModelSpec, dtype: DType, device: usize) -> Result<Setup> {
+    spec.validate()?;
+    let ctx = context(device)?;
+    // SAFETY: every buffer of this runner is used on its one stream only (the Reducer
+    // contract says reductions are ordered on that stream), so cudarc's cross-stream event
+    // tracking is not needed; it is turned off before anything is allocated.
+    unsafe { ctx.disable_event_tracking() };
+    let stream = ctx.new_stream().map_err(Error::driver("creating a stream"))?;
+    let k = Kernels::load(&ctx, stream, dtype)?;
+    let sms = ctx
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(Error::driver("device attribute"))?
+        .max(1) as usize;
+    Ok(Setup { ctx, k, sms })
+}
+
+/// Expected shapes of the per-layer weights.
+struct Shapes {
+    q: [usize; 2],
+    kv: [usize; 2],
+    o: [usize; 2],
+    gu: [usize; 2],
+    down: [usize; 2],
+}
+
+fn shapes(s: &CudaModelSpec) -> Shapes {
+    Shapes {
+        q: [s.q_dim(), s.hidden],
+        kv: [s.kv_dim(), s.hidden],
+        o: [s.hidden, s.q_dim()],
+        gu: [s.intermediate, s.hidden],
+        down: [s.hidden, s.intermediate],
+    }
+}
+
+/// Uploads host tensors (converted to the dtype) into consecutive parts of one buffer.
+struct Uploader<'p> {
+    dtype: DType,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    staging: Vec<u16>,
+    done: u64,
+    total: u64,
+    progress: &'p mut dyn FnMut(u64, u64),
+}
+
+const STAGING: usize = 1 << 22;
+
+impl Uploader<'_> {
+    fn upload(&mut self, parts: &[(&str, &HostTensor<'_>)], what: &str) -> Result<CudaSlice<u16>> {
+        let n: usize = parts.iter().map(|(_, t)| t.data.len()).sum();
+        let mut buf = alloc::<u16>(&self.ctx, &self.stream, n, what)?;
+        let mut off = 0;
+        for (_, t) in parts {
+            let len = t.data.len();
+            let mut i = 0;
+            while i < len {
+                let c = (len - i).min(STAGING);
+                self.staging.resize(c, 0);
+                t.data.convert_into(self.dtype, i, &mut self.staging[..c]);
+                let mut dst = buf.slice_mut(off + i..off + i + c);
+                self.stream.memcpy_htod(&self.staging[..c], &mut dst).map_err(Error::driver("uploading weights"))?;
+                // The staging buffer is reused: wait for the copy to finish reading it.
+                self.stream.synchronize().map_err(Error::driver("uploading weights"))?;
+                i += c;
+                self.done += (c * 2) as u64;
+                (self.progress)(self.done, self.total);
+            }
+            off += len;
+        }
+        Ok(buf)
+    }
+}
+
+impl CudaDecodeRunner {
+    /// Uploads `weights` (converted to `dtype`) to GPU `device`. `progress(done, total)` is called
+    /// with bytes uploaded so far.
+    pub fn new(
+        spec: CudaModelSpec,
+        weights: &HostWeights<'_>,
+        dtype: DType,
+        device: usize,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        spec.validate()?;
+        // Check every shape before touching the GPU.
+        let sh = shapes(&spec);
+        weights.embed.check("embed", &[spec.vocab, spec.hidden])?;
+        weights.final_norm.check("final_norm", &[spec.hidden])?;
+        match (&weights.lm_head, spec.tied_embeddings) {
+            (Some(t), false) => t.check("lm_head", &[spec.vocab, spec.hidden])?,
+            (None, true) => {}
+            (Some(_), true) => {
+                return Err(Error::BadWeight { name: "lm_head".into(), msg: "given, but the spec says tied".into() })
+            }
+            (None, false) => {
+                return Err(Error::BadWeight { name: "lm_head".into(), msg: "missing (the spec says untied)".into() })
+            }
+        }
+        if weights.layers.len() != spec.layers {
+            return Err(Error::BadWeight {
+                name: "layers".into(),
+                msg: format!("{} layers, spec says {}", weights.layers.len(), spec.layers),
+            });
+        }
+        for (i, l) in weights.layers.iter().enumerate() {
+            let n = |s: &str| format!("layers.{i}.{s}");
+            l.attn_norm.check(&n("attn_norm"), &[spec.hidden])?;
+            l.mlp_norm.check(&n("mlp_norm"), &[spec.hidden])?;
+            l.q.check(&n("q"), &sh.q)?;
+            l.k.check(&n("k"), &sh.kv)?;
+            l.v.check(&n("v"), &sh.kv)?;
+            l.o.check(&n("o"), &sh.o)?;
+            l.gate.check(&n("gate"), &sh.gu)?;
+            l.up.check(&n("up"), &sh.gu)?;
+            l.down.check(&n("down"), &sh.down)?;
+            for (name, t, want, on) in [
+                ("q_bias", &l.q_bias, spec.q_dim(), spec.qkv_bias),
+                ("k_bias", &l.k_bias, spec.kv_dim(), spec.qkv_bias),
+                ("v_bias", &l.v_bias, spec.kv_dim(), spec.qkv_bias),
+                ("q_norm", &l.q_norm, spec.head_dim, spec.qk_norm),
+                ("k_norm", &l.k_norm, spec.head_dim, spec.qk_norm),
+            ] {
+                match (t, on) {
+                    (Some(t), true) => t.check(&n(name), &[want])?,
+                    (None, false) => {}
+                    (Some(_), false) => {
+                        return Err(Error::BadWeight { name: n(name), msg: "given, but the spec has none".into() })
+                    }
+                    (None, true) => return Err(Error::BadWeight { name: n(name), msg: "missing".into() }),
+                }
+            }
+        }
+        let Setup { ctx, k, sms } = setup(&spec, dtype, device)?;
+        let total = 2
+            * (weights.embed.data.len()
+                + weights.final_norm.data.len()
+                + weights.lm_head.as_ref().map_or(0, |t| t.data.len())
+                + weights
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        [&l.attn_norm, &l.q, &l.k, &l.v, &l.o, &l.mlp_norm, &l.gate, &l.up, &l.down]
+                            .iter()
+                            .map(|t| t.data.len())
+                            .sum::<usize>()
+                            + [&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm]
+                                .iter()
+                                .filter_map(|t| t.as_ref().map(|t| t.data.len()))
+                                .sum::<usize>()
+                    })
+                    .sum::<usize>()) as u64;
+        let mut up = Uploader {
+            dtype,
+            stream: k.stream.clone(),
+            ctx: ctx.clone(),
+            staging: Vec::new(),
+            done: 0,
+            total,
+            progress,
+        };
+        let embed = up.upload(&[("embed", &weights.embed)], "embedding")?;
+        let mut layers = Vec::with_capacity(spec.layers);
+        for l in &weights.layers {
+            let bqkv = match (&l.q_bias, &l.k_bias, &l.v_bias) {
+                (Some(q), Some(k), Some(v)) => {
+                    Some(up.upload(&[("q_bias", q), ("k_bias", k), ("v_bias", v)], "qkv bias")?)
+                }
+                _ => None,
+            };
+            layers.push(LayerW {
+                attn_norm: up.upload(&[("attn_norm", &l.attn_norm)], "attn norm")?,
+                wqkv: up.upload(&[("q", &l.q), ("k", &l.k), ("v", &l.v)], "qkv weights")?,
+                bqkv,
+                q_norm: l.q_norm.as_ref().map(|t| up.upload(&[("q_norm", t)], "q norm")).transpose()?,
+                k_norm: l.k_norm.as_ref().map(|t| up.upload(&[("k_norm", t)], "k norm")).transpose()?,
+                wo: up.upload(&[("o", &l.o)], "o weights")?,
+                mlp_norm: up.upload(&[("mlp_norm", &l.mlp_norm)], "mlp norm")?,
+                wgu: up.upload(&[("gate", &l.gate), ("up", &l.up)], "gate|up weights")?,
+                wdown: up.upload(&[("down", &l.down)], "down weights")?,
+            });
+        }
+        let final_norm = up.upload(&[("final_norm", &weights.final_norm)], "final norm")?;
+        let lm_head = weights.lm_head.as_ref().map(|t| up.upload(&[("lm_head", t)], "lm head")).transpose()?;
+        let w = Weights { embed, layers, final_norm, lm_head };
+        Self::finish(spec, ctx, k, w, sms)
+    }
+
+    /// A runner with random weights generated on the GPU (no host copy): matrices uniform with
+    /// std 0.02, norms uniform in [0.9, 1.1], biases like matrices. Deterministic in `seed`.
+    pub fn random(spec: CudaModelSpec, dtype: DType, seed: u64, device: usize) -> Result<Self> {
+        let Setup { ctx, k, sms } = setup(&spec, dtype, device)?;
+        let s = &spec;
+        let mut counter = 0u64;
+        let mut gen = |n: usize, what: &str, offset: f32, hw: f32| -> Result<CudaSlice<u16>> {
+            let buf = alloc::<u16>(&ctx, &k.stream, n, what)?;
+            counter += 1;
+            let seed = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            k.init_uniform(whole(&buf, &k.stream)?, seed, offset, hw)?;
+            Ok(buf)
+        };
+        let mat = MATRIX_HALF_WIDTH;
+        let embed = gen(s.vocab * s.hidden, "embedding", 0.0, mat)?;
+        let mut layers = Vec::with_capacity(s.layers);
+        for _ in 0..s.layers {
+            layers.push(LayerW {
+                attn_norm: gen(s.hidden, "attn norm", 1.0, NORM_HALF_WIDTH)?,
+                wqkv: gen(s.qkv_dim() * s.hidden, "qkv weights", 0.0, mat)?,
+                bqkv: if s.qkv_bias { Some(gen(s.qkv_dim(), "qkv bias", 0.0, mat)?) } else { None },
+                q_norm: if s.qk_norm { Some(gen(s.head_dim, "q norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
+                k_norm: if s.qk_norm { Some(gen(s.head_dim, "k norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
+                wo: gen(s.hidden * s.q_dim(), "o weights", 0.0, mat)?,
+                mlp_norm: gen(s.hidden, "mlp norm", 1.0, NORM_HALF_WIDTH)?,
+                wgu: gen(2 * s.intermediate * s.hidden, "gate|up weights", 0.0, mat)?,
+                wdown: gen(s.hidden * s.intermediate, "down weights", 0.0, mat)?,
+            });
+        }
+        let final_norm = gen(s.hidden, "final norm", 1.0, NORM_HALF_WIDTH)?;
+        let lm_head = if s.tied_embeddings { None } else { Some(gen(s.vocab * s.hidden, "lm head", 0.0, mat)?) };
+        let w = Weights { embed, layers, final_norm, lm_head };
+        Self::finish(spec, ctx, k, w, sms)
+    }
+
+    fn finish(spec: CudaModelSpec, ctx: Arc<CudaContext>, k: Kernels, w: Weights, sms: usize) -> Result<Self> {
+        let stream = k.stream.clone();
+        let mut inv_freq = alloc::<f32>(&ctx, &stream, spec.rope_inv_freq.len(), "RoPE table")?;
+        stream.memcpy_htod(&spec.rope_inv_freq, &mut inv_freq).map_err(Error::driver("uploading the RoPE table"))?;
+        let decode = Acts::new(&ctx, &stream, &spec, 1, MAX_SPLITS)?;
+        let logits = DeviceLogits { buf: alloc::<f32>(&ctx, &stream, spec.vocab, "logits")? };
+        let parts = spec.vocab.div_ceil(launch::ARGMAX_CHUNK);
+        let argmax_v = alloc::<f32>(&ctx, &stream, parts, "argmax partials")?;
+        let argmax_i = alloc::<u32>(&ctx, &stream, parts, "argmax partials")?;
+        let argmax_out = alloc::<u32>(&ctx, &stream, 1, "argmax result")?;
+        stream.synchronize().map_err(Error::driver("initialising the runner"))?;
+        Ok(CudaDecodeRunner {
+            spec,
+            ctx,
+            k,
+            w,
+            inv_freq,
+            decode,
+            prefill: None,
+            logits,
+            argmax_v,
+            argmax_i,
+            argmax_out,
+            seqs: HashMap::new(),
+            reducer: Box::new(NoReduce),
+            projection: Projection::default(),
+            sms,
+        })
+    }
+
+    /// The model description.
+    pub fn spec(&self) -> &CudaModelSpec {
+        &self.spec
+    }
+    /// The storage dtype.
+    pub fn dtype(&self) -> DType {
+        self.k.dtype
+    }
+    /// The runner's stream (every kernel, copy and reduction of this runner is ordered on it).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.k.stream
+    }
+    /// The runner's CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// Installs the reducer called after the o- and down-projections (default: [`NoReduce`]).
+    pub fn set_reducer(&mut self, reducer: Box<dyn Reducer>) {
+        self.reducer = reducer;
+    }
+    /// Chooses how batch-1 projections run (default: [`Projection::Gemv`]).
+    pub fn set_projection(&mut self, projection: Projection) {
+        self.projection = projection;
+    }
+    /// Current projection choice.
+    pub fn projection(&self) -> Projection {
+        self.projection
+    }
+    /// Name, memory and compute capability of this runner's GPU.
+    pub fn device_info(&self) -> Result<DeviceInfo> {
+        info_of(&self.ctx)
+    }
+    /// Waits for all work queued on the runner's stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.k.stream.synchronize().map_err(Error::driver("stream synchronize"))
+    }
+
+    /// Allocates a KV cache of `capacity` tokens for sequence `seq`
+    /// (`2 * layers * kv_heads * capacity * head_dim` elements).
+    pub fn init_sequence(&mut self, seq: u64, capacity: usize) -> Result<()> {
+        if self.seqs.contains_key(&seq) {
+            return Err(Error::SequenceExists(seq));
+        }
+        if capacity == 0 || capacity > i32::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!("KV capacity {capacity}")));
+        }
+        let s = &self.spec;
+        let n = s
+            .layers
+            .checked_mul(s.kv_dim())
+            .and_then(|x| x.checked_mul(capacity))
+            .ok_or_else(|| Error::InvalidArgument(format!("KV capacity {capacity} overflows")))?;
+        let what = format!("KV cache of sequence {seq} ({capacity} tokens, K)");
+        let k = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
+        let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
+        let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
+        // Fixed split count per sequence: about two blocks per SM over the heads, at least 64
+        // rows per split, at most MAX_SPLITS. The kernel spreads the current length over them.
+        let n_splits = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64)).clamp(1, MAX_SPLITS);
+        self.seqs.insert(seq, Sequence { k, v, capacity, len: 0, n_splits });
+        Ok(())
+    }
+
+    /// Frees sequence `seq`'s KV cache.
+    pub fn release(&mut self, seq: u64) -> Result<()> {
+        self.seqs.remove(&seq).map(|_| ()).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// Tokens held by sequence `seq`.
+    pub fn sequence_len(&self, seq: u64) -> Result<usize> {
+        self.seqs.get(&seq).map(|s| s.len).ok_or(Error::UnknownSequence(seq))
+    }
+
+    /// KV capacity of sequence `seq`.
+    pub fn sequence_capacity(&self, seq: u64) -> Result<usize> {
+        self.seqs.get(&seq).map(|s| s.capacity).ok_or(Error::UnknownSequence(seq))
+    }
+
+    fn check_token(&self, token: u32) -> Result<()> {
+        if token as usize >= self.spec.vocab {
+            return Err(Error::TokenOutOfRange { token, vocab: self.spec.vocab });
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` to sequence `seq` (positions `len .. len + tokens.len()`) in passes of
+    /// up to [`PREFILL_CHUNK`] tokens (cuBLAS GEMMs, causal attention); returns the logits of
+    /// the last position.
+    pub fn prefill(&mut self, seq: u64, tokens: &[u32]) -> Result<&DeviceLogits> {
+        if tokens.is_empty() {
+            return Err(Error::InvalidArgument("prefill of no tokens".into()));
+        }
+        for &t in tokens {
+            self.check_token(t)?;
+        }
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if s.len + tokens.len() > s.capacity {
+            return Err(Error::CapacityExhausted { seq, len: s.len, capacity: s.capacity, asked: tokens.len() });
+        }
+        let want = tokens.len().min(PREFILL_CHUNK);
+        if self.prefill.as_ref().is_none_or(|a| a.cap < want) {
+            self.prefill = None; // free the old buffers first
+            self.prefill = Some(Acts::new(&self.ctx, &self.k.stream, &self.spec, want, 1)?);
+        }
+        let mut step = Vec::with_capacity(want + 1);
+        for chunk in tokens.chunks(PREFILL_CHUNK) {
+            let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+            let a = self.prefill.as_mut().ok_or_else(|| Error::Internal("prefill buffers".into()))?;
+            step.clear();
+            step.extend_from_slice(chunk);
+            step.resize(a.cap, 0);
+            step.push(s.len as u32);
+            self.k.stream.memcpy_htod(&step, &mut a.step).map_err(Error::driver("uploading prefill tokens"))?;
+            forward(
+                &self.k,
+                &self.spec,
+                &self.w,
+                &self.inv_freq,
+                a,
+                s,
+                chunk.len(),
+                false,
+                self.projection,
+                self.reducer.as_mut(),
+                &mut self.logits.buf,
+            )?;
+            s.len += chunk.len();
+            // `step` is reused next chunk: wait for the copy (and surface kernel errors).
+            self.k.stream.synchronize().map_err(Error::driver("prefill"))?;
+        }
+        Ok(&self.logits)
+    }
+
+    /// Runs one decode step: `token` at `position` of sequence `seq` (`position` must be at most
+    /// the sequence's length, and below its capacity); returns the next-token logits (on the
+    /// device). Nothing is allocated; the token and position go to a small device buffer that
+    /// the kernels read, so the launches do not depend on them.
+    pub fn decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<&DeviceLogits> {
+        self.check_token(token)?;
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if position >= s.capacity {
+            if position == s.len {
+                return Err(Error::CapacityExhausted { seq, len: s.len, capacity: s.capacity, asked: 1 });
+            }
+            return Err(Error::PositionOutOfRange { seq, position, capacity: s.capacity });
+        }
+        if position > s.len {
+            return Err(Error::PositionGap { seq, position, len: s.len });
+        }
+        let step = [token, position as u32];
+        self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
+        forward(
+            &self.k,
+            &self.spec,
+            &self.w,
+            &self.inv_freq,
+            &mut self.decode,
+            s,
+            1,
+            true,
+            self.projection,
+            self.reducer.as_mut(),
+            &mut self.logits.buf,
+        )?;
+        s.len = position + 1;
+        Ok(&self.logits)
+    }
+
+    /// The logits of the last step (prefill or decode) on the device.
+    pub fn logits(&self) -> &DeviceLogits {
+        &self.logits
+    }
+
+    /// Copies the last logits to the host (`out` is resized to the vocabulary).
+    pub fn logits_to_host(&self, out: &mut Vec<f32>) -> Result<()> {
+        out.resize(self.spec.vocab, 0.0);
+        self.k.stream.memcpy_dtoh(&self.logits.buf, out.as_mut_slice()).map_err(Error::driver("copying logits"))?;
+        self.synchronize()
+    }
+
+    /// Times one `rows x cols` batch-1 projection (random data, `iters` runs after 5 warm-ups,
+    /// median by CUDA events) through ferrum's GEMV and through cuBLAS; returns
+    /// `(gemv_seconds, cublas_seconds)`. A helper for choosing [`Projection`] per shape.
+    pub fn time_projection(&self, rows: usize, cols: usize, iters: usize) -> Result<(f64, f64)> {
+        let st = &self.k.stream;
+        let w = alloc::<u16>(&self.ctx, st, rows * cols, "projection timing (W)")?;
+        let x = alloc::<u16>(&self.ctx, st, cols, "projection timing (x)")?;
+        let y = alloc::<u16>(&self.ctx, st, rows, "projection timing (y)")?;
+        self.k.init_uniform(whole(&w, st)?, 1, 0.0, MATRIX_HALF_WIDTH)?;
+        self.k.init_uniform(whole(&x, st)?, 2, 0.0, 1.0)?;
+        let ev =
+            || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver("creating an event"));
+        let (e0, e1) = (ev()?, ev()?);
+        let mut out = [0.0f64; 2];
+        for (i, p) in [Projection::Gemv, Projection::Cublas].into_iter().enumerate() {
+            let mut times = Vec::with_capacity(iters.max(1));
+            for it in 0..iters.max(1) + 5 {
+                e0.record(st).map_err(Error::driver("event record"))?;
+                project(&self.k, p, whole(&y, st)?, whole(&w, st)?, whole(&x, st)?, rows, cols, 1)?;
+                e1.record(st).map_err(Error::driver("event record"))?;
+                e1.synchronize().map_err(Error::driver("event sync"))?;
+                if it >= 5 {
+                    times.push(e0.elapsed_ms(&e1).map_err(Error::driver("event time"))? as f64 / 1e3);
+                }
+            }
+            times.sort_by(f64::total_cmp);
+            out[i] = times[times.len() / 2];
+        }
+        Ok((out[0], out[1]))
+    }
+
+    /// Greedy token of the last logits, computed on the device (smallest index on ties).
+    pub fn argmax(&mut self) -> Result<u32> {
+        let st = &self.k.stream;
+        self.k.argmax(
+            whole(&self.logits.buf, st)?,
+            self.spec.vocab,
+            whole(&self.argmax_v, st)?,
+            whole(&self.argmax_i, st)?,
+            whole(&self.argmax_out, st)?,
+        )?;
+        let mut out = [0u32];
+        st.memcpy_dtoh(&self.argmax_out, &mut out).map_err(Error::driver("copying argmax"))?;
+        self.synchronize()?;
+        Ok(out[0])
+    }
+}
+
+/// y = W x for `n` rows of x: GEMV at batch 1 (unless cuBLAS is chosen), else cuBLAS GEMM.
+#[allow(clippy::too_many_arguments)]
+fn project(
+    k: &Kernels,
+    p: Projection,
+    y: Region<'_, u16>,
+    w: Region<'_, u16>,
+    x: Region<'_, u16>,
+    rows: usize,
+    cols: usize,
+    n: usize,
+) -> Result<()> {
+    if n == 1 && p == Projection::Gemv {
+        k.gemv(y, Region::null(), w, x, rows, cols, false)
+    } else {
+        k.gemm(y, Region::null(), w, x, rows, cols, n)
+    }
+}
+
+fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, u16>> {
+    match b {
+        Some(b) => whole(b, st),
+        None => Ok(Region::null()),
+    }
+}
+
+/// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
+/// Leaves the last row's logits in `logits`.
+#[allow(clippy::too_many_arguments)]
+fn forward(
+    k: &Kernels,
+    s: &CudaModelSpec,
+    w: &Weights,
+    inv_freq: &CudaSlice<f32>,
+    a: &mut Acts,
+    seq: &mut Sequence,
+    n: usize,
+    decode: bool,
+    p: Projection,
+    reducer: &mut dyn Reducer,
+    logits: &mut CudaSlice<f32>,
+) -> Result<()> {
+    if n == 0 || n > a.cap {
+        return Err(Error::Internal(format!("forward of {n} tokens with buffers for {}", a.cap)));
+    }
+    let st = &k.stream;
+    let (h, eps, inter) = (s.hidden, s.rms_eps, s.intermediate);
+    let (qkv_dim, q_dim) = (s.qkv_dim(), s.q_dim());
+    let layer_len = s.kv_dim() * seq.capacity;
+    let pos = region(&a.step, st, a.cap, 1)?;
+    k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
+    k.rmsnorm(region(&a.y, st, 0, n * h)?, region(&a.x, st, 0, n * h)?, whole(&w.layers[0].attn_norm, st)?, n, h, eps)?;
+    let splits = if decode { seq.n_splits } else { 1 };
+    for (li, lw) in w.layers.iter().enumerate() {
+        project(
+            k,
+            p,
+            region(&a.qkv, st, 0, n * qkv_dim)?,
+            whole(&lw.wqkv, st)?,
+            region(&a.y, st, 0, n * h)?,
+            qkv_dim,
+            h,
+            n,
+        )?;
+        let kc = region(&seq.k, st, li * layer_len, layer_len)?;
+        let vc = region(&seq.v, st, li * layer_len, layer_len)?;
+        k.rope_qkv(
+            region(&a.qkv, st, 0, n * qkv_dim)?,
+            opt(&lw.bqkv, st)?,
+            opt(&lw.q_norm, st)?,
+            opt(&lw.k_norm, st)?,
+            kc,
+            vc,
+            whole(inv_freq, st)?,
+            pos,
+            n,
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            seq.capacity,
+            eps,
+        )?;
+        k.attn(
+            region(&a.qkv, st, 0, n * qkv_dim)?,
+            qkv_dim,
+            kc,
+            vc,
+            region(&a.attn, st, 0, n * q_dim)?,
+            whole(&a.part_acc, st)?,
+            whole(&a.part_ml, st)?,
+            pos,
+            n,
+            splits,
+            4,
+            s.heads,
+            s.kv_heads,
+            s.head_dim,
+            seq.capacity,
+        )?;
+        if splits > 1 {
+            k.attn_combine(
+                region(&a.attn, st, 0, n * q_dim)?,
+                whole(&a.part_acc, st)?,
+                whole(&a.part_ml, st)?,
+                n,
+                splits,
+                s.heads,
+                s.head_dim,
+            )?;
+        }
+        project(
+            k,
+            p,
+            region(&a.o, st, 0, n * h)?,
+            whole(&lw.wo, st)?,
+            region(&a.attn, st, 0, n * q_dim)?,
+            h,
+            q_dim,
+            n,
+        )?;
+        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, dtype: k.dtype, stream: st })?;
+        k.add_rmsnorm(
+            region(&a.x, st, 0, n * h)?,
+            region(&a.o, st, 0, n * h)?,
+            region(&a.y, st, 0, n * h)?,
+            whole(&lw.mlp_norm, st)?,
+            n,
+            h,
+            eps,
+        )?;
+        project(
+            k,
+            p,
+            region(&a.gu, st, 0, n * 2 * inter)?,
+            whole(&lw.wgu, st)?,
+            region(&a.y, st, 0, n * h)?,
+            2 * inter,
+            h,
+            n,
+        )?;
+        if n == 1 && p == Projection::Gemv {
+            k.gemv(
+                region(&a.o, st, 0, h)?,
+                Region::null(),
+                whole(&lw.wdown, st)?,
+                region(&a.gu, st, 0, 2 * inter)?,
+                h,
+                inter,
+                true,
+            )?;
+        } else {
+            k.silu_mul(region(&a.h, st, 0, n * inter)?, region(&a.gu, st, 0, n * 2 * inter)?, inter, n)?;
+            project(
+                k,
+                p,
+                region(&a.o, st, 0, n * h)?,
+                whole(&lw.wdown, st)?,
+                region(&a.h, st, 0, n * inter)?,
+                h,
+                inter,
+                n,
+            )?;
+        }
+        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, dtype: k.dtype, stream: st })?;
+        let next_norm = match w.layers.get(li + 1) {
+            Some(next) => &next.attn_norm,
+            None => &w.final_norm,
+        };
+        k.add_rmsnorm(
+            region(&a.x, st, 0, n * h)?,
+            region(&a.o, st, 0, n * h)?,
+            region(&a.y, st, 0, n * h)?,
+            whole(next_norm, st)?,
+            n,
+            h,
+            eps,
+        )?;
+    }
+    let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+    let last = region(&a.y, st, (n - 1) * h, h)?;
+    if p == Projection::Gemv {
+        k.gemv(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h, false)
+    } else {
+        k.gemm(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h, 1)
+    }
+}

@@ -1,0 +1,298 @@
+//! The model description, host weights and dtypes (no CUDA needed).
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+
+/// The runner's storage and compute-input dtype (accumulation is always fp32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        2
+    }
+    /// Lower-case name (`f16`, `bf16`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+    /// Rounds an f32 to this dtype and back (what the GPU stores).
+    pub fn round(self, x: f32) -> f32 {
+        match self {
+            DType::F16 => f16::from_f32(x).to_f32(),
+            DType::BF16 => bf16::from_f32(x).to_f32(),
+        }
+    }
+    /// The bit pattern of `x` rounded to this dtype.
+    pub fn bits(self, x: f32) -> u16 {
+        match self {
+            DType::F16 => f16::from_f32(x).to_bits(),
+            DType::BF16 => bf16::from_f32(x).to_bits(),
+        }
+    }
+}
+
+/// Host weight data, converted to the runner's dtype while uploading.
+#[derive(Clone, Copy, Debug)]
+pub enum HostData<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    BF16(&'a [bf16]),
+}
+
+impl HostData<'_> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            HostData::F32(d) => d.len(),
+            HostData::F16(d) => d.len(),
+            HostData::BF16(d) => d.len(),
+        }
+    }
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Converts `self[start..start + out.len()]` into `dtype` bit patterns.
+    pub(crate) fn convert_into(&self, dtype: DType, start: usize, out: &mut [u16]) {
+        let n = out.len();
+        match (self, dtype) {
+            (HostData::F16(d), DType::F16) => {
+                for (o, v) in out.iter_mut().zip(&d[start..start + n]) {
+                    *o = v.to_bits();
+                }
+            }
+            (HostData::BF16(d), DType::BF16) => {
+                for (o, v) in out.iter_mut().zip(&d[start..start + n]) {
+                    *o = v.to_bits();
+                }
+            }
+            (HostData::F32(d), _) => {
+                for (o, v) in out.iter_mut().zip(&d[start..start + n]) {
+                    *o = dtype.bits(*v);
+                }
+            }
+            (HostData::F16(d), _) => {
+                for (o, v) in out.iter_mut().zip(&d[start..start + n]) {
+                    *o = dtype.bits(v.to_f32());
+                }
+            }
+            (HostData::BF16(d), _) => {
+                for (o, v) in out.iter_mut().zip(&d[start..start + n]) {
+                    *o = dtype.bits(v.to_f32());
+                }
+            }
+        }
+    }
+}
+
+/// A host tensor: row-major, `shape` as in the checkpoint (`[out, in]` for linear weights).
+#[derive(Clone, Debug)]
+pub struct HostTensor<'a> {
+    pub shape: Vec<usize>,
+    pub data: HostData<'a>,
+}
+
+impl<'a> HostTensor<'a> {
+    /// A tensor over `data` with `shape`.
+    pub fn new(shape: impl Into<Vec<usize>>, data: HostData<'a>) -> Self {
+        Self { shape: shape.into(), data }
+    }
+    pub(crate) fn check(&self, name: &str, want: &[usize]) -> Result<()> {
+        if self.shape != want {
+            return Err(Error::BadWeight {
+                name: name.into(),
+                msg: format!("shape {:?}, expected {want:?}", self.shape),
+            });
+        }
+        let n: usize = want.iter().product();
+        if self.data.len() != n {
+            return Err(Error::BadWeight {
+                name: name.into(),
+                msg: format!("{} elements for shape {want:?}", self.data.len()),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One decoder layer's host weights (this rank's shards).
+#[derive(Clone, Debug)]
+pub struct HostLayer<'a> {
+    /// `[hidden]`
+    pub attn_norm: HostTensor<'a>,
+    /// `[heads*head_dim, hidden]`
+    pub q: HostTensor<'a>,
+    /// `[kv_heads*head_dim, hidden]`
+    pub k: HostTensor<'a>,
+    /// `[kv_heads*head_dim, hidden]`
+    pub v: HostTensor<'a>,
+    /// `[hidden, heads*head_dim]`
+    pub o: HostTensor<'a>,
+    /// `[heads*head_dim]`, when `spec.qkv_bias`
+    pub q_bias: Option<HostTensor<'a>>,
+    /// `[kv_heads*head_dim]`, when `spec.qkv_bias`
+    pub k_bias: Option<HostTensor<'a>>,
+    /// `[kv_heads*head_dim]`, when `spec.qkv_bias`
+    pub v_bias: Option<HostTensor<'a>>,
+    /// `[head_dim]`, when `spec.qk_norm`
+    pub q_norm: Option<HostTensor<'a>>,
+    /// `[head_dim]`, when `spec.qk_norm`
+    pub k_norm: Option<HostTensor<'a>>,
+    /// `[hidden]`
+    pub mlp_norm: HostTensor<'a>,
+    /// `[intermediate, hidden]`
+    pub gate: HostTensor<'a>,
+    /// `[intermediate, hidden]`
+    pub up: HostTensor<'a>,
+    /// `[hidden, intermediate]`
+    pub down: HostTensor<'a>,
+}
+
+/// All host weights of a model (this rank's shards).
+#[derive(Clone, Debug)]
+pub struct HostWeights<'a> {
+    /// `[vocab, hidden]`
+    pub embed: HostTensor<'a>,
+    pub layers: Vec<HostLayer<'a>>,
+    /// `[hidden]`
+    pub final_norm: HostTensor<'a>,
+    /// `[vocab, hidden]`; `None` when tied (the embedding is reused).
+    pub lm_head: Option<HostTensor<'a>>,
+}
+
+/// The model as the CUDA runner sees it (per rank: `heads`, `kv_heads` and `intermediate` are
+/// this rank's shard).
+#[derive(Clone, Debug, PartialEq)]
+pub struct CudaModelSpec {
+    pub vocab: usize,
+    pub hidden: usize,
+    /// This rank's shard of the MLP width.
+    pub intermediate: usize,
+    pub layers: usize,
+    /// Query heads on this rank.
+    pub heads: usize,
+    /// KV heads on this rank.
+    pub kv_heads: usize,
+    /// 64, 96, 128 or 256.
+    pub head_dim: usize,
+    /// RoPE inverse frequencies, `head_dim / 2` of them (Llama 3.1 scaling already applied).
+    pub rope_inv_freq: Vec<f32>,
+    pub rms_eps: f32,
+    /// q/k/v biases (Qwen2).
+    pub qkv_bias: bool,
+    /// Per-head q/k RMSNorm before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// LM head tied to the embedding.
+    pub tied_embeddings: bool,
+}
+
+/// Head dims the attention kernel supports.
+pub const SUPPORTED_HEAD_DIMS: &[usize] = &[64, 96, 128, 256];
+
+impl CudaModelSpec {
+    /// `heads * head_dim`.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+    /// `kv_heads * head_dim`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+    /// Width of the fused q|k|v projection.
+    pub fn qkv_dim(&self) -> usize {
+        self.q_dim() + 2 * self.kv_dim()
+    }
+    /// Bytes of KV cache per token (all layers, K and V).
+    pub fn kv_bytes_per_token(&self, dtype: DType) -> usize {
+        2 * self.layers * self.kv_dim() * dtype.size()
+    }
+
+    /// Checks the description for consistency and for the kernels' limits.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidSpec(m));
+        for (n, v) in [
+            ("vocab", self.vocab),
+            ("hidden", self.hidden),
+            ("intermediate", self.intermediate),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+        ] {
+            if v == 0 {
+                return bad(format!("{n} is 0"));
+            }
+            if v > i32::MAX as usize / 4 {
+                return bad(format!("{n} = {v} is too large"));
+            }
+        }
+        if self.heads % self.kv_heads != 0 {
+            return bad(format!("heads {} is not a multiple of kv_heads {}", self.heads, self.kv_heads));
+        }
+        if !SUPPORTED_HEAD_DIMS.contains(&self.head_dim) {
+            return bad(format!("head_dim {} is not one of {SUPPORTED_HEAD_DIMS:?}", self.head_dim));
+        }
+        if self.rope_inv_freq.len() != self.head_dim / 2 {
+            return bad(format!(
+                "{} RoPE inverse frequencies for head_dim {}",
+                self.rope_inv_freq.len(),
+                self.head_dim
+            ));
+        }
+        if self.hidden > 1 << 16 {
+            return bad(format!("hidden {} is over 65536", self.hidden));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return bad(format!("rms_eps {}", self.rms_eps));
+        }
+        for (n, v) in [
+            ("vocab*hidden", self.vocab.checked_mul(self.hidden)),
+            ("2*intermediate*hidden", self.intermediate.checked_mul(2 * self.hidden)),
+            ("qkv_dim*hidden", self.qkv_dim().checked_mul(self.hidden)),
+        ] {
+            match v {
+                Some(x) if x < isize::MAX as usize / 4 => {}
+                _ => return bad(format!("{n} overflows")),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How batch-1 projections run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Projection {
+    /// ferrum's GEMV kernels (16-byte loads, fp32 accumulate).
+    #[default]
+    Gemv,
+    /// cuBLAS `cublasGemmEx` with n = 1 (fp32 compute).
+    Cublas,
+}
+
+/// The GPU a runner is on.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_memory: u64,
+    pub free_memory: u64,
+}
+
+/// Result of [`measure_copy_bandwidth`](crate::measure_copy_bandwidth).
+#[derive(Clone, Copy, Debug)]
+pub struct CopyBandwidth {
+    /// Bytes copied per memcpy (each is read once and written once).
+    pub bytes: u64,
+    /// Median seconds per memcpy.
+    pub seconds: f64,
+    /// Bytes read plus bytes written, per second.
+    pub bytes_per_second: f64,
+}

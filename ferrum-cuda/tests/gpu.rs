@@ -1,0 +1,663 @@
+//! GPU tests of the CUDA runner against a self-contained f32 CPU reference (the weights are
+//! rounded to the GPU dtype first, so the tolerance measures arithmetic, not weight rounding).
+//! Run on a CUDA machine: `cargo test -p ferrum-cuda --features cuda --test gpu -- --ignored`.
+#![cfg(feature = "cuda")]
+#![allow(clippy::needless_range_loop)]
+
+use ferrum_cuda::{
+    CudaDecodeRunner, CudaModelSpec, DType, Error, HostData, HostLayer, HostTensor, HostWeights, Projection,
+};
+use std::time::Instant;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> u32 {
+        (self.next() % n as u64) as u32
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Arch {
+    name: &'static str,
+    bias: bool,
+    qk_norm: bool,
+    tied: bool,
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    hidden: usize,
+    inter: usize,
+    layers: usize,
+    vocab: usize,
+}
+
+const LLAMA: Arch = Arch {
+    name: "llama",
+    bias: false,
+    qk_norm: false,
+    tied: false,
+    head_dim: 128,
+    heads: 4,
+    kv_heads: 2,
+    hidden: 512,
+    inter: 1024,
+    layers: 2,
+    vocab: 1000,
+};
+const MISTRAL: Arch = Arch {
+    name: "mistral",
+    bias: false,
+    qk_norm: false,
+    tied: false,
+    head_dim: 64,
+    heads: 8,
+    kv_heads: 2,
+    hidden: 256,
+    inter: 1004,
+    layers: 2,
+    vocab: 777,
+};
+const QWEN2: Arch = Arch {
+    name: "qwen2",
+    bias: true,
+    qk_norm: false,
+    tied: true,
+    head_dim: 64,
+    heads: 6,
+    kv_heads: 2,
+    hidden: 384,
+    inter: 768,
+    layers: 2,
+    vocab: 1001,
+};
+const QWEN3: Arch = Arch {
+    name: "qwen3",
+    bias: false,
+    qk_norm: true,
+    tied: true,
+    head_dim: 128,
+    heads: 4,
+    kv_heads: 1,
+    hidden: 256,
+    inter: 512,
+    layers: 3,
+    vocab: 640,
+};
+
+fn inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+    (0..head_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f32 / head_dim as f32)).collect()
+}
+
+fn spec_of(a: Arch) -> CudaModelSpec {
+    CudaModelSpec {
+        vocab: a.vocab,
+        hidden: a.hidden,
+        intermediate: a.inter,
+        layers: a.layers,
+        heads: a.heads,
+        kv_heads: a.kv_heads,
+        head_dim: a.head_dim,
+        rope_inv_freq: inv_freq(a.head_dim, 10000.0),
+        rms_eps: 1e-5,
+        qkv_bias: a.bias,
+        qk_norm: a.qk_norm,
+        tied_embeddings: a.tied,
+    }
+}
+
+/// Host weights (f32, already rounded to `dtype`), row-major [out][in].
+struct W {
+    embed: Vec<f32>,
+    layers: Vec<LW>,
+    final_norm: Vec<f32>,
+    lm_head: Option<Vec<f32>>,
+}
+struct LW {
+    attn_norm: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    qn: Option<Vec<f32>>,
+    kn: Option<Vec<f32>>,
+    mlp_norm: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+}
+
+fn random_weights(s: &CudaModelSpec, dtype: DType, seed: u64) -> W {
+    let mut r = Rng(seed);
+    let mut mat = |n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| dtype.round(r.uniform() * scale)).collect() };
+    let (h, q, kv, i) = (s.hidden, s.q_dim(), s.kv_dim(), s.intermediate);
+    let embed = mat(s.vocab * h, 1.0);
+    let mut layers = Vec::new();
+    for _ in 0..s.layers {
+        let norm = |m: &mut dyn FnMut(usize, f32) -> Vec<f32>, n| {
+            m(n, 0.2).into_iter().map(|v| dtype.round(1.0 + v)).collect::<Vec<_>>()
+        };
+        layers.push(LW {
+            attn_norm: norm(&mut mat, h),
+            q: mat(q * h, 0.08),
+            k: mat(kv * h, 0.08),
+            v: mat(kv * h, 0.08),
+            o: mat(h * q, 0.08),
+            bq: s.qkv_bias.then(|| mat(q, 0.5)),
+            bk: s.qkv_bias.then(|| mat(kv, 0.5)),
+            bv: s.qkv_bias.then(|| mat(kv, 0.5)),
+            qn: s.qk_norm.then(|| norm(&mut mat, s.head_dim)),
+            kn: s.qk_norm.then(|| norm(&mut mat, s.head_dim)),
+            mlp_norm: norm(&mut mat, h),
+            gate: mat(i * h, 0.08),
+            up: mat(i * h, 0.08),
+            down: mat(h * i, 0.08),
+        });
+    }
+    let final_norm = (0..h).map(|_| dtype.round(1.0 + 0.2 * r.uniform())).collect();
+    let lm_head = (!s.tied_embeddings).then(|| (0..s.vocab * h).map(|_| dtype.round(0.1 * r.uniform())).collect());
+    W { embed, layers, final_norm, lm_head }
+}
+
+fn host_weights<'a>(s: &CudaModelSpec, w: &'a W) -> HostWeights<'a> {
+    let t = |shape: Vec<usize>, d: &'a [f32]| HostTensor::new(shape, HostData::F32(d));
+    let (h, q, kv, i) = (s.hidden, s.q_dim(), s.kv_dim(), s.intermediate);
+    HostWeights {
+        embed: t(vec![s.vocab, h], &w.embed),
+        layers: w
+            .layers
+            .iter()
+            .map(|l| HostLayer {
+                attn_norm: t(vec![h], &l.attn_norm),
+                q: t(vec![q, h], &l.q),
+                k: t(vec![kv, h], &l.k),
+                v: t(vec![kv, h], &l.v),
+                o: t(vec![h, q], &l.o),
+                q_bias: l.bq.as_deref().map(|d| t(vec![q], d)),
+                k_bias: l.bk.as_deref().map(|d| t(vec![kv], d)),
+                v_bias: l.bv.as_deref().map(|d| t(vec![kv], d)),
+                q_norm: l.qn.as_deref().map(|d| t(vec![s.head_dim], d)),
+                k_norm: l.kn.as_deref().map(|d| t(vec![s.head_dim], d)),
+                mlp_norm: t(vec![h], &l.mlp_norm),
+                gate: t(vec![i, h], &l.gate),
+                up: t(vec![i, h], &l.up),
+                down: t(vec![h, i], &l.down),
+            })
+            .collect(),
+        final_norm: t(vec![h], &w.final_norm),
+        lm_head: w.lm_head.as_deref().map(|d| t(vec![s.vocab, h], d)),
+    }
+}
+
+/// The f32 CPU reference.
+struct Ref<'a> {
+    s: &'a CudaModelSpec,
+    w: &'a W,
+    k: Vec<Vec<f32>>, // per layer: [pos][kv_dim]
+    v: Vec<Vec<f32>>,
+}
+
+fn matvec(w: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
+    let cols = x.len();
+    (0..rows)
+        .map(|r| w[r * cols..(r + 1) * cols].iter().zip(x).map(|(a, b)| (*a as f64) * (*b as f64)).sum::<f64>() as f32)
+        .collect()
+}
+
+fn rms(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss = x.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ss + eps as f64).sqrt();
+    x.iter().zip(w).map(|(a, b)| (*a as f64 * r) as f32 * b).collect()
+}
+
+impl<'a> Ref<'a> {
+    fn new(s: &'a CudaModelSpec, w: &'a W) -> Self {
+        Ref { s, w, k: vec![Vec::new(); s.layers], v: vec![Vec::new(); s.layers] }
+    }
+
+    fn rope(&self, x: &mut [f32], pos: usize) {
+        let hd = self.s.head_dim;
+        for i in 0..hd / 2 {
+            let ang = pos as f32 * self.s.rope_inv_freq[i];
+            let (sn, c) = (ang.sin(), ang.cos());
+            let (a, b) = (x[i], x[i + hd / 2]);
+            x[i] = a * c - b * sn;
+            x[i + hd / 2] = b * c + a * sn;
+        }
+    }
+
+    fn step(&mut self, token: u32) -> Vec<f32> {
+        let s = self.s;
+        let (h, hd) = (s.hidden, s.head_dim);
+        let pos = self.k[0].len() / s.kv_dim();
+        let mut x = self.w.embed[token as usize * h..(token as usize + 1) * h].to_vec();
+        for (li, l) in self.w.layers.iter().enumerate() {
+            let y = rms(&x, &l.attn_norm, s.rms_eps);
+            let mut q = matvec(&l.q, &y, s.q_dim());
+            let mut k = matvec(&l.k, &y, s.kv_dim());
+            let mut v = matvec(&l.v, &y, s.kv_dim());
+            if let (Some(bq), Some(bk), Some(bv)) = (&l.bq, &l.bk, &l.bv) {
+                q.iter_mut().zip(bq).for_each(|(a, b)| *a += b);
+                k.iter_mut().zip(bk).for_each(|(a, b)| *a += b);
+                v.iter_mut().zip(bv).for_each(|(a, b)| *a += b);
+            }
+            for hh in 0..s.heads {
+                let qh = &mut q[hh * hd..(hh + 1) * hd];
+                if let Some(n) = &l.qn {
+                    let t = rms(qh, n, s.rms_eps);
+                    qh.copy_from_slice(&t);
+                }
+                self.rope(qh, pos);
+            }
+            for hh in 0..s.kv_heads {
+                let kh = &mut k[hh * hd..(hh + 1) * hd];
+                if let Some(n) = &l.kn {
+                    let t = rms(kh, n, s.rms_eps);
+                    kh.copy_from_slice(&t);
+                }
+                self.rope(kh, pos);
+            }
+            self.k[li].extend_from_slice(&k);
+            self.v[li].extend_from_slice(&v);
+            let n = pos + 1;
+            let mut att = vec![0.0f32; s.q_dim()];
+            let scale = 1.0 / (hd as f64).sqrt();
+            for hh in 0..s.heads {
+                let kvh = hh / (s.heads / s.kv_heads);
+                let qh = &q[hh * hd..(hh + 1) * hd];
+                let scores: Vec<f64> = (0..n)
+                    .map(|t| {
+                        let kr = &self.k[li][t * s.kv_dim() + kvh * hd..t * s.kv_dim() + (kvh + 1) * hd];
+                        qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = scores.iter().map(|v| (v - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let acc: f64 = (0..n).map(|t| e[t] * self.v[li][t * s.kv_dim() + kvh * hd + d] as f64).sum();
+                    att[hh * hd + d] = (acc / z) as f32;
+                }
+            }
+            let o = matvec(&l.o, &att, h);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let y = rms(&x, &l.mlp_norm, s.rms_eps);
+            let g = matvec(&l.gate, &y, s.intermediate);
+            let u = matvec(&l.up, &y, s.intermediate);
+            let act: Vec<f32> = g.iter().zip(&u).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let d = matvec(&l.down, &act, h);
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+        let y = rms(&x, &self.w.final_norm, s.rms_eps);
+        matvec(self.w.lm_head.as_deref().unwrap_or(&self.w.embed), &y, s.vocab)
+    }
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((*x as f64) - (*y as f64)).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    let r = (num / den.max(1e-30)).sqrt();
+    if a.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    r
+}
+
+fn tol(d: DType) -> f64 {
+    match d {
+        DType::BF16 => 1e-2,
+        DType::F16 => 3e-3,
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+fn build(a: Arch, dtype: DType, seed: u64) -> (CudaModelSpec, W, CudaDecodeRunner) {
+    let s = spec_of(a);
+    let w = random_weights(&s, dtype, seed);
+    let mut last = 0;
+    let r = CudaDecodeRunner::new(s.clone(), &host_weights(&s, &w), dtype, 0, &mut |d, t| {
+        assert!(d >= last && d <= t);
+        last = d;
+    })
+    .expect("runner");
+    (s, w, r)
+}
+
+/// Prefill `prompt` tokens then `steps` greedy decode steps (tokens from the reference), checking
+/// every logits vector. Returns the worst relative error.
+fn check_against_ref(a: Arch, dtype: DType, proj: Projection, prompt: usize, steps: usize) -> Result<f64, String> {
+    let (s, w, mut r) = build(a, dtype, 7 + prompt as u64);
+    r.set_projection(proj);
+    let mut rf = Ref::new(&s, &w);
+    let mut rng = Rng(99);
+    let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
+    let mut want = Vec::new();
+    for &t in &toks {
+        want = rf.step(t);
+    }
+    r.init_sequence(1, prompt + steps + 3).unwrap();
+    r.prefill(1, &toks).unwrap();
+    let mut got = Vec::new();
+    r.logits_to_host(&mut got).unwrap();
+    let mut worst = rel_err(&got, &want);
+    if worst > tol(dtype) {
+        return Err(format!("{} tied={} {dtype:?} {proj:?}: prefill rel err {worst:.3e}", a.name, a.tied));
+    }
+    for i in 0..steps {
+        let next = argmax(&want);
+        want = rf.step(next);
+        r.decode_step(1, next, prompt + i).unwrap();
+        r.logits_to_host(&mut got).unwrap();
+        let e = rel_err(&got, &want);
+        if e > tol(dtype) {
+            return Err(format!("{} tied={} {dtype:?} {proj:?}: step {i} rel err {e:.3e}", a.name, a.tied));
+        }
+        worst = worst.max(e);
+    }
+    assert_eq!(r.sequence_len(1).unwrap(), prompt + steps);
+    Ok(worst)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matches_cpu_reference_all_archs() {
+    let mut failures = Vec::new();
+    for a in [LLAMA, MISTRAL, QWEN2, QWEN3] {
+        for tied in [false, true] {
+            let a = Arch { tied, ..a };
+            for dtype in [DType::BF16, DType::F16] {
+                for proj in [Projection::Gemv, Projection::Cublas] {
+                    match check_against_ref(a, dtype, proj, 100, 64) {
+                        Ok(e) => println!(
+                            "REF {:<8} tied={tied:<5} {:<4} {proj:?}: max rel err {e:.2e} (tol {:.0e})",
+                            a.name,
+                            dtype.name(),
+                            tol(dtype)
+                        ),
+                        Err(m) => {
+                            println!("REF FAIL {m}");
+                            failures.push(m);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} configurations failed: {failures:#?}", failures.len());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn long_context_4096() {
+    let a = Arch {
+        name: "long",
+        bias: false,
+        qk_norm: false,
+        tied: true,
+        head_dim: 64,
+        heads: 4,
+        kv_heads: 2,
+        hidden: 256,
+        inter: 512,
+        layers: 1,
+        vocab: 300,
+    };
+    for dtype in [DType::BF16, DType::F16] {
+        let (s, w, mut r) = build(a, dtype, 5);
+        let mut rf = Ref::new(&s, &w);
+        let mut rng = Rng(3);
+        let prompt: Vec<u32> = (0..4000).map(|_| rng.below(s.vocab)).collect();
+        let mut want = Vec::new();
+        for &t in &prompt {
+            want = rf.step(t);
+        }
+        r.init_sequence(9, 4096).unwrap();
+        r.prefill(9, &prompt).unwrap();
+        let mut got = Vec::new();
+        r.logits_to_host(&mut got).unwrap();
+        let mut worst = rel_err(&got, &want);
+        assert!(worst <= tol(dtype), "long prefill {dtype:?}: {worst}");
+        for p in 4000..4096 {
+            let t = argmax(&want);
+            want = rf.step(t);
+            r.decode_step(9, t, p).unwrap();
+            r.logits_to_host(&mut got).unwrap();
+            let e = rel_err(&got, &want);
+            assert!(e <= tol(dtype), "long decode {dtype:?} pos {p}: {e}");
+            worst = worst.max(e);
+        }
+        println!("LONG {} 4096 ctx: max rel err {worst:.2e}", dtype.name());
+        // Full: the next token has no room.
+        assert!(matches!(r.decode_step(9, 1, 4096), Err(Error::CapacityExhausted { .. })));
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn two_sequences_alternating_match_each_alone() {
+    let (s, _w, mut r) = build(QWEN3, DType::BF16, 11);
+    let mut rng = Rng(5);
+    let pa: Vec<u32> = (0..37).map(|_| rng.below(s.vocab)).collect();
+    let pb: Vec<u32> = (0..53).map(|_| rng.below(s.vocab)).collect();
+    let run_alone = |r: &mut CudaDecodeRunner, seq: u64, p: &[u32]| -> Vec<Vec<f32>> {
+        r.init_sequence(seq, 200).unwrap();
+        r.prefill(seq, p).unwrap();
+        let mut out = Vec::new();
+        let mut l = Vec::new();
+        r.logits_to_host(&mut l).unwrap();
+        out.push(l.clone());
+        for i in 0..20 {
+            let t = r.argmax().unwrap();
+            r.decode_step(seq, t, p.len() + i).unwrap();
+            r.logits_to_host(&mut l).unwrap();
+            out.push(l.clone());
+        }
+        r.release(seq).unwrap();
+        out
+    };
+    let a_alone = run_alone(&mut r, 1, &pa);
+    let b_alone = run_alone(&mut r, 2, &pb);
+    r.init_sequence(10, 200).unwrap();
+    r.init_sequence(20, 200).unwrap();
+    let mut l = Vec::new();
+    r.prefill(10, &pa).unwrap();
+    r.logits_to_host(&mut l).unwrap();
+    assert_eq!(l, a_alone[0]);
+    r.prefill(20, &pb).unwrap();
+    r.logits_to_host(&mut l).unwrap();
+    assert_eq!(l, b_alone[0]);
+    for i in 0..20 {
+        let ta = argmax(&a_alone[i]);
+        r.decode_step(10, ta, pa.len() + i).unwrap();
+        r.logits_to_host(&mut l).unwrap();
+        assert_eq!(l, a_alone[i + 1], "seq a step {i}");
+        let tb = argmax(&b_alone[i]);
+        r.decode_step(20, tb, pb.len() + i).unwrap();
+        r.logits_to_host(&mut l).unwrap();
+        assert_eq!(l, b_alone[i + 1], "seq b step {i}");
+    }
+    println!("ALT two sequences alternating == alone (bitwise)");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn bad_input_gives_clear_errors() {
+    let (s, _w, mut r) = build(LLAMA, DType::F16, 1);
+    r.init_sequence(1, 8).unwrap();
+    let e = r.decode_step(1, s.vocab as u32, 0).unwrap_err();
+    assert!(matches!(e, Error::TokenOutOfRange { .. }), "{e}");
+    println!("ERR {e}");
+    let e = r.prefill(1, &[1, 2, s.vocab as u32 + 5]).unwrap_err();
+    assert!(matches!(e, Error::TokenOutOfRange { .. }), "{e}");
+    let e = r.decode_step(1, 1, 8).unwrap_err();
+    assert!(matches!(e, Error::PositionOutOfRange { .. }), "{e}");
+    println!("ERR {e}");
+    let e = r.decode_step(1, 1, 3).unwrap_err();
+    assert!(matches!(e, Error::PositionGap { .. }), "{e}");
+    let e = r.decode_step(2, 1, 0).unwrap_err();
+    assert!(matches!(e, Error::UnknownSequence(2)), "{e}");
+    println!("ERR {e}");
+    let e = r.init_sequence(1, 8).unwrap_err();
+    assert!(matches!(e, Error::SequenceExists(1)), "{e}");
+    let e = r.prefill(1, &[1; 9]).unwrap_err();
+    assert!(matches!(e, Error::CapacityExhausted { .. }), "{e}");
+    println!("ERR {e}");
+    r.prefill(1, &[1; 8]).unwrap();
+    let e = r.decode_step(1, 1, 8).unwrap_err();
+    assert!(matches!(e, Error::CapacityExhausted { .. }), "{e}");
+    r.release(1).unwrap();
+    let e = r.decode_step(1, 1, 0).unwrap_err();
+    assert!(matches!(e, Error::UnknownSequence(1)), "{e}");
+    assert!(matches!(r.release(1), Err(Error::UnknownSequence(1))));
+    // OOM: a KV cache far beyond the GPU's memory.
+    let e = r.init_sequence(3, 1 << 29).unwrap_err();
+    match &e {
+        Error::OutOfMemory { asked, free, .. } => assert!(asked > free),
+        other => panic!("expected OutOfMemory, got {other}"),
+    }
+    let msg = e.to_string();
+    assert!(msg.contains("asked") && msg.contains("free"), "{msg}");
+    println!("ERR {msg}");
+    // The runner still works after the errors.
+    r.init_sequence(4, 16).unwrap();
+    r.prefill(4, &[1, 2, 3]).unwrap();
+    let t = r.argmax().unwrap();
+    assert!((t as usize) < s.vocab);
+    // Bad weights: wrong shape.
+    let w = random_weights(&s, DType::F16, 2);
+    let mut hw = host_weights(&s, &w);
+    hw.layers[1].q.shape = vec![1, 2];
+    let e = CudaDecodeRunner::new(s.clone(), &hw, DType::F16, 0, &mut |_, _| {}).unwrap_err();
+    assert!(matches!(e, Error::BadWeight { .. }), "{e}");
+    println!("ERR {e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn argmax_and_determinism() {
+    let (s, _w, mut r) = build(MISTRAL, DType::BF16, 4);
+    r.init_sequence(1, 64).unwrap();
+    r.prefill(1, &[5, 6, 7, 8]).unwrap();
+    let mut a = Vec::new();
+    r.logits_to_host(&mut a).unwrap();
+    assert_eq!(r.argmax().unwrap(), argmax(&a));
+    // Replaying the same position gives bitwise-identical logits.
+    r.decode_step(1, 3, 4).unwrap();
+    let mut b1 = Vec::new();
+    r.logits_to_host(&mut b1).unwrap();
+    r.decode_step(1, 3, 4).unwrap();
+    let mut b2 = Vec::new();
+    r.logits_to_host(&mut b2).unwrap();
+    assert_eq!(b1, b2);
+    assert_eq!(b1.len(), s.vocab);
+}
+
+fn llama3_8b() -> CudaModelSpec {
+    CudaModelSpec {
+        vocab: 128256,
+        hidden: 4096,
+        intermediate: 14336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_inv_freq: inv_freq(128, 500000.0),
+        rms_eps: 1e-5,
+        qkv_bias: false,
+        qk_norm: false,
+        tied_embeddings: false,
+    }
+}
+
+/// Synthetic Llama-3-8B: random weights on the GPU, decode speed with GEMV and cuBLAS, and the
+/// per-shape projection timings. Prints a summary (no thresholds).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn synthetic_llama3_8b_speed() {
+    let bw = ferrum_cuda::measure_copy_bandwidth(0, 2 << 30).unwrap();
+    println!("BENCH copy bandwidth {:.0} GB/s (read+write)", bw.bytes_per_second / 1e9);
+    let s = llama3_8b();
+    let t0 = Instant::now();
+    let mut r = CudaDecodeRunner::random(s.clone(), DType::BF16, 42, 0).unwrap();
+    r.synchronize().unwrap();
+    let info = r.device_info().unwrap();
+    println!(
+        "BENCH {} ({:.1} GiB total) random 8B init {:.2}s",
+        info.name,
+        info.total_memory as f64 / (1u64 << 30) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    let weight_bytes = 2.0
+        * (2 * s.vocab * s.hidden + s.layers * (s.hidden * (s.qkv_dim() + s.q_dim()) + 3 * s.hidden * s.intermediate))
+            as f64;
+    for (rows, cols) in [
+        (s.qkv_dim(), s.hidden),
+        (s.hidden, s.q_dim()),
+        (2 * s.intermediate, s.hidden),
+        (s.hidden, s.intermediate),
+        (s.vocab, s.hidden),
+    ] {
+        let (g, c) = r.time_projection(rows, cols, 50).unwrap();
+        let bytes = 2.0 * (rows * cols) as f64;
+        println!(
+            "BENCH proj {rows:>6}x{cols:<6} gemv {:>7.1} us ({:>5.0} GB/s)  cublas {:>7.1} us ({:>5.0} GB/s)",
+            g * 1e6,
+            bytes / g / 1e9,
+            c * 1e6,
+            bytes / c / 1e9
+        );
+    }
+    r.init_sequence(1, 4096).unwrap();
+    let prompt: Vec<u32> = (0..128).map(|i| (i * 7919) % s.vocab as u32).collect();
+    let t0 = Instant::now();
+    r.prefill(1, &prompt).unwrap();
+    r.synchronize().unwrap();
+    println!("BENCH prefill 128 tokens {:.1} ms", t0.elapsed().as_secs_f64() * 1e3);
+    let mut pos = prompt.len();
+    for proj in [Projection::Gemv, Projection::Cublas] {
+        r.set_projection(proj);
+        let mut tok = r.argmax().unwrap();
+        for _ in 0..5 {
+            r.decode_step(1, tok, pos).unwrap();
+            tok = r.argmax().unwrap();
+            pos += 1;
+        }
+        let n = 100;
+        let t0 = Instant::now();
+        for _ in 0..n {
+            r.decode_step(1, tok, pos).unwrap();
+            tok = r.argmax().unwrap();
+            pos += 1;
+        }
+        let dt = t0.elapsed().as_secs_f64() / n as f64;
+        println!(
+            "BENCH decode {proj:?}: {:.2} ms/token, {:.1} tok/s, {:.0} GB/s effective (weights {:.1} GB)",
+            dt * 1e3,
+            1.0 / dt,
+            weight_bytes / dt / 1e9,
+            weight_bytes / 1e9
+        );
+    }
+}
