@@ -76,11 +76,11 @@ __device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm
 // computed from the length read on the device). With one split the normalised
 // output is written to `out` [n_tok][heads*hd]; otherwise the unnormalised
 // partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum).
-template <typename T, int E>
+template <typename T, int HD>
 __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out,
                           float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
                           int kv_heads, int capacity, float scale) {
-    constexpr int HD = 32 * E;
+    constexpr int E = (HD + 31) / 32;  // elements per lane; lanes past HD/E idle when HD < 32
     __shared__ float s_m[ATTN_MAX_WARPS], s_l[ATTN_MAX_WARPS];
     __shared__ float s_acc[ATTN_MAX_WARPS][HD];
     const int h = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
@@ -93,10 +93,11 @@ __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v
     const int kvh = h / (heads / kv_heads);
 
     float qv[E], acc[E];
+    const bool lane_on = lane * E < HD;  // always true when HD is a multiple of 32
     const T *qh = q + (size_t)tok * q_stride + h * HD + lane * E;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        qv[e] = to_f(qh[e]) * scale;
+        qv[e] = lane_on ? to_f(qh[e]) * scale : 0.0f;
         acc[e] = 0.0f;
     }
     float m = FERRUM_NEG_INF, l = 0.0f;
@@ -105,24 +106,30 @@ __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v
     for (int t = start + warp; t < end; t += nw) {
         const T *kr = kb + (size_t)t * HD;
         float s = 0.0f;
+        if (lane_on) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) s += qv[e] * to_f(kr[e]);
+            for (int e = 0; e < E; ++e) s += qv[e] * to_f(kr[e]);
+        }
         s = warp_sum(s);
         const float mn = fmaxf(m, s);
         const float corr = expf(m - mn);  // exp(-inf) = 0 on the first row
         const float p = expf(s - mn);
         l = l * corr + p;
         const T *vr = vb + (size_t)t * HD;
+        if (lane_on) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * to_f(vr[e]);
+            for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * to_f(vr[e]);
+        }
         m = mn;
     }
     if (lane == 0) {
         s_m[warp] = m;
         s_l[warp] = l;
     }
+    if (lane_on) {
 #pragma unroll
-    for (int e = 0; e < E; ++e) s_acc[warp][lane * E + e] = acc[e];
+        for (int e = 0; e < E; ++e) s_acc[warp][lane * E + e] = acc[e];
+    }
     __syncthreads();
     float M = FERRUM_NEG_INF;
     for (int w = 0; w < nw; ++w) M = fmaxf(M, s_m[w]);
@@ -150,20 +157,28 @@ __device__ void attn(const T *q, int q_stride, const T *k_cache, const T *v_cach
                      float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
                      int kv_heads, int hd, int capacity, float scale) {
     switch (hd) {
+    case 16:
+        attn_impl<T, 16>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                         kv_heads, capacity, scale);
+        break;
+    case 32:
+        attn_impl<T, 32>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+                         kv_heads, capacity, scale);
+        break;
     case 64:
-        attn_impl<T, 2>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 64>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 96:
-        attn_impl<T, 3>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 96>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 128:
-        attn_impl<T, 4>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 128>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 256:
-        attn_impl<T, 8>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 256>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     default:

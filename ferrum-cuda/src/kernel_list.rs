@@ -2,7 +2,7 @@
 // `cargo xtask ptx --check` `include!`s it to verify that every name is in the PTX.
 
 macro_rules! kernels {
-    ($($(#[$m:meta])* $variant:ident => $name:literal,)*) => {
+    ($($(#[$m:meta])* $variant:ident => $name:literal in $module:literal,)*) => {
         /// A kernel in the embedded PTX; [`Kernel::name`] is its `extern "C"` symbol.
         #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
         pub enum Kernel {
@@ -19,51 +19,60 @@ macro_rules! kernels {
                     $(Kernel::$variant => $name,)*
                 }
             }
+
+            /// The PTX module (`kernels/<module>.cu`) that defines it.
+            pub const fn module(self) -> &'static str {
+                match self {
+                    $(Kernel::$variant => $module,)*
+                }
+            }
         }
 
         /// Every kernel name the Rust side uses.
         pub const KERNEL_NAMES: &[&str] = &[$($name,)*];
+        /// `(kernel name, module)` for every kernel.
+        pub const KERNEL_MODULES: &[(&str, &str)] = &[$(($name, $module),)*];
     };
 }
 
 kernels! {
     /// Embedding gather into the fp32 residual stream.
-    EmbedF16 => "ferrum_embed_f16",
-    EmbedBf16 => "ferrum_embed_bf16",
+    EmbedF16 => "ferrum_embed_f16" in "norm",
+    EmbedBf16 => "ferrum_embed_bf16" in "norm",
     /// RMSNorm of the fp32 residual stream.
-    RmsNormF16 => "ferrum_rmsnorm_f16",
-    RmsNormBf16 => "ferrum_rmsnorm_bf16",
+    RmsNormF16 => "ferrum_rmsnorm_f16" in "norm",
+    RmsNormBf16 => "ferrum_rmsnorm_bf16" in "norm",
     /// Residual add fused with RMSNorm.
-    AddRmsNormF16 => "ferrum_add_rmsnorm_f16",
-    AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16",
+    AddRmsNormF16 => "ferrum_add_rmsnorm_f16" in "norm",
+    AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16" in "norm",
     /// Bias + q/k norm + RoPE + K/V cache append.
-    RopeQkvF16 => "ferrum_rope_qkv_f16",
-    RopeQkvBf16 => "ferrum_rope_qkv_bf16",
+    RopeQkvF16 => "ferrum_rope_qkv_f16" in "attention",
+    RopeQkvBf16 => "ferrum_rope_qkv_bf16" in "attention",
     /// GQA attention over the cache (split-KV).
-    AttnF16 => "ferrum_attn_f16",
-    AttnBf16 => "ferrum_attn_bf16",
+    AttnF16 => "ferrum_attn_f16" in "attention",
+    AttnBf16 => "ferrum_attn_bf16" in "attention",
     /// Combine of the split-KV partials.
-    AttnCombineF16 => "ferrum_attn_combine_f16",
-    AttnCombineBf16 => "ferrum_attn_combine_bf16",
+    AttnCombineF16 => "ferrum_attn_combine_f16" in "attention",
+    AttnCombineBf16 => "ferrum_attn_combine_bf16" in "attention",
     /// Batch-1 projection.
-    GemvF16 => "ferrum_gemv_f16",
-    GemvBf16 => "ferrum_gemv_bf16",
+    GemvF16 => "ferrum_gemv_f16" in "gemv",
+    GemvBf16 => "ferrum_gemv_bf16" in "gemv",
     /// Batch-1 projection with fp32 output (LM head).
-    GemvF32OutF16 => "ferrum_gemv_f32out_f16",
-    GemvF32OutBf16 => "ferrum_gemv_f32out_bf16",
-    /// Batch-1 down projection with SiLU·mul fused on its input.
-    GemvSiluF16 => "ferrum_gemv_silu_f16",
-    GemvSiluBf16 => "ferrum_gemv_silu_bf16",
+    GemvF32OutF16 => "ferrum_gemv_f32out_f16" in "gemv",
+    GemvF32OutBf16 => "ferrum_gemv_f32out_bf16" in "gemv",
+    /// Batch-1 gate|up projection with SiLU·mul fused on its output.
+    GemvGateUpF16 => "ferrum_gemv_gateup_f16" in "gemv",
+    GemvGateUpBf16 => "ferrum_gemv_gateup_bf16" in "gemv",
     /// SiLU·mul (prefill path).
-    SiluMulF16 => "ferrum_silu_mul_f16",
-    SiluMulBf16 => "ferrum_silu_mul_bf16",
+    SiluMulF16 => "ferrum_silu_mul_f16" in "gemv",
+    SiluMulBf16 => "ferrum_silu_mul_bf16" in "gemv",
     /// Argmax, pass 1 (per-block partials).
-    ArgmaxPartial => "ferrum_argmax_partial",
+    ArgmaxPartial => "ferrum_argmax_partial" in "misc",
     /// Argmax, pass 2 (final).
-    ArgmaxFinal => "ferrum_argmax_final",
+    ArgmaxFinal => "ferrum_argmax_final" in "misc",
     /// Hash-based uniform init (synthetic weights).
-    InitUniformF16 => "ferrum_init_uniform_f16",
-    InitUniformBf16 => "ferrum_init_uniform_bf16",
+    InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
+    InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",
 }
 
 /// The PTX modules (`ferrum-cuda/ptx/<name>.ptx`, built from `kernels/<name>.cu`).

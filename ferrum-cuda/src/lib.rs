@@ -25,7 +25,7 @@ pub mod ptx {
 }
 
 pub use error::{Error, Result};
-pub use kernel_list::{Kernel, KERNEL_NAMES, PTX_MODULES};
+pub use kernel_list::{Kernel, KERNEL_MODULES, KERNEL_NAMES, PTX_MODULES};
 pub use spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, HostData, HostLayer, HostTensor, HostWeights, Projection,
     SUPPORTED_HEAD_DIMS,
@@ -100,6 +100,8 @@ mod tests {
         assert!(spec().validate().is_ok());
         let mut s = spec();
         s.head_dim = 80;
+        assert!(matches!(s.validate(), Err(Error::InvalidSpec(_))));
+        s.head_dim = 48;
         assert!(matches!(s.validate(), Err(Error::InvalidSpec(_))));
         let mut s = spec();
         s.kv_heads = 3;

@@ -181,7 +181,7 @@ pub struct CudaModelSpec {
     pub heads: usize,
     /// KV heads on this rank.
     pub kv_heads: usize,
-    /// 64, 96, 128 or 256.
+    /// One of [`SUPPORTED_HEAD_DIMS`].
     pub head_dim: usize,
     /// RoPE inverse frequencies, `head_dim / 2` of them (Llama 3.1 scaling already applied).
     pub rope_inv_freq: Vec<f32>,
@@ -195,7 +195,7 @@ pub struct CudaModelSpec {
 }
 
 /// Head dims the attention kernel supports.
-pub const SUPPORTED_HEAD_DIMS: &[usize] = &[64, 96, 128, 256];
+pub const SUPPORTED_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128, 256];
 
 impl CudaModelSpec {
     /// `heads * head_dim`.

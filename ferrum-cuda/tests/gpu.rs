@@ -59,7 +59,7 @@ const MISTRAL: Arch = Arch {
     bias: false,
     qk_norm: false,
     tied: false,
-    head_dim: 64,
+    head_dim: 32,
     heads: 8,
     kv_heads: 2,
     hidden: 256,

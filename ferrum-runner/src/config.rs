@@ -165,9 +165,8 @@ impl ModelConfig {
     /// exactly as HF transformers' `_compute_llama3_parameters` does.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / (self.rope_theta as f64).powf((2 * i) as f64 / d as f64) as f32)
-            .collect();
+        let base: Vec<f32> =
+            (0..d / 2).map(|i| 1.0 / (self.rope_theta as f64).powf((2 * i) as f64 / d as f64) as f32).collect();
         let Some(s) = self.rope_scaling else { return base };
         let old_ctx = s.original_max_position_embeddings as f32;
         let low_freq_wavelen = old_ctx / s.low_freq_factor;

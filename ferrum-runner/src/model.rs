@@ -138,9 +138,7 @@ impl CpuModel {
         let inv = cfg.rope_inv_freq();
         let max_pos = cfg.max_position_embeddings;
         let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
-        let pos = Tensor::arange(0u32, max_pos as u32, &Device::Cpu)?
-            .to_dtype(DType::F32)?
-            .reshape((max_pos, 1))?;
+        let pos = Tensor::arange(0u32, max_pos as u32, &Device::Cpu)?.to_dtype(DType::F32)?.reshape((max_pos, 1))?;
         let freqs = pos.broadcast_mul(&inv)?; // [max_pos, hd/2]
         let to = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?) };
         Ok(Self {
@@ -285,7 +283,7 @@ impl CpuModel {
             cache.v[li].slice_set(&v, 1, start)?;
             let keys = cache.k[li].narrow(1, 0, s)?; // [KV, S, hd]
             let vals = cache.v[li].narrow(1, 0, s)?; // [KV, S, hd]
-            // Heads h = kv*G + g share KV head kv: [H, T, hd] -> [KV, G*T, hd].
+                                                     // Heads h = kv*G + g share KV head kv: [H, T, hd] -> [KV, G*T, hd].
             let q = q.reshape((kv, g * t, hd))?;
             let att = (q.matmul(&keys.t()?)? * scale)?; // [KV, G*T, S]
             let att = match &mask {

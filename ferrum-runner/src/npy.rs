@@ -38,8 +38,7 @@ mod tests {
         assert_eq!((10 + hlen) % 64, 0);
         let header = std::str::from_utf8(&buf[10..10 + hlen]).unwrap();
         assert!(header.contains("'shape': (2, 3)") && header.ends_with('\n'));
-        let data: Vec<f32> =
-            buf[10 + hlen..].chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        let data: Vec<f32> = buf[10 + hlen..].chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         assert_eq!(data, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
         assert!(super::write_f32_2d(&mut Vec::new(), 2, 2, &[1.0]).is_err());
     }

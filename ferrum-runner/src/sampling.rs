@@ -195,7 +195,8 @@ mod tests {
 
     #[test]
     fn bad_params_are_rejected() {
-        for p in [params(-1.0, 0, 1.0, 0), params(f32::NAN, 0, 1.0, 0), params(1.0, 0, 1.5, 0), params(1.0, 0, 0.0, 0)] {
+        for p in [params(-1.0, 0, 1.0, 0), params(f32::NAN, 0, 1.0, 0), params(1.0, 0, 1.5, 0), params(1.0, 0, 0.0, 0)]
+        {
             let e = Sampler::new(p).unwrap_err().to_string();
             assert!(e.contains("--temperature") || e.contains("--top-p"), "{e}");
         }

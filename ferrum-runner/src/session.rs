@@ -76,7 +76,10 @@ pub struct Session {
 
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Session").field("model_path", &self.model_path).field("backend", &self.backend.describe()).finish()
+        f.debug_struct("Session")
+            .field("model_path", &self.model_path)
+            .field("backend", &self.backend.describe())
+            .finish()
     }
 }
 
@@ -146,7 +149,12 @@ impl Session {
 }
 
 /// The CPU backend for loaded weights: one rank, or `tp` ranks over shards of them.
-pub fn cpu_backend(weights: &ModelWeights, format: WeightFormat, tp: usize, progress: bool) -> Result<Box<dyn DecodeBackend>> {
+pub fn cpu_backend(
+    weights: &ModelWeights,
+    format: WeightFormat,
+    tp: usize,
+    progress: bool,
+) -> Result<Box<dyn DecodeBackend>> {
     if tp > 1 {
         return crate::tp::cpu_tp_backend(weights, tp, progress);
     }
@@ -170,8 +178,19 @@ pub fn weight_bytes_per_token(w: &ModelWeights) -> u64 {
         .layers
         .iter()
         .map(|l| {
-            t(&l.attn_norm) + t(&l.mlp_norm) + lin(&l.q) + lin(&l.k) + lin(&l.v) + lin(&l.o) + lin(&l.gate)
-                + lin(&l.up) + lin(&l.down) + ot(&l.q_bias) + ot(&l.k_bias) + ot(&l.v_bias) + ot(&l.q_norm)
+            t(&l.attn_norm)
+                + t(&l.mlp_norm)
+                + lin(&l.q)
+                + lin(&l.k)
+                + lin(&l.v)
+                + lin(&l.o)
+                + lin(&l.gate)
+                + lin(&l.up)
+                + lin(&l.down)
+                + ot(&l.q_bias)
+                + ot(&l.k_bias)
+                + ot(&l.v_bias)
+                + ot(&l.q_norm)
                 + ot(&l.k_norm)
         })
         .sum();
@@ -187,7 +206,12 @@ fn load_tokenizer(m: &LoadedModel) -> Result<Tokenizer> {
 }
 
 #[cfg(feature = "cuda")]
-pub fn cuda_backend(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bool) -> Result<Box<dyn DecodeBackend>> {
+pub fn cuda_backend(
+    m: &LoadedModel,
+    ordinal: usize,
+    opts: &SessionOptions,
+    progress: bool,
+) -> Result<Box<dyn DecodeBackend>> {
     crate::cuda_backend::open(m, ordinal, opts, progress)
 }
 

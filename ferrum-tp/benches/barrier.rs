@@ -71,6 +71,17 @@ fn std_wrapper_wait(b: &StdBarrier) {
     b.wait().unwrap();
 }
 
+/// Tuning aid: `FERRUM_TP_BACKOFF=spin_checks,spin_hints_cap,yield_checks`
+/// adds a `spin_park_env` variant with that policy.
+fn policy_from_env() -> Option<ferrum_tp::BackoffPolicy> {
+    let v = std::env::var("FERRUM_TP_BACKOFF").ok()?;
+    let n: Vec<u32> = v.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    let [spin_checks, spin_hints_cap, yield_checks] = n[..] else {
+        return None;
+    };
+    Some(ferrum_tp::BackoffPolicy { spin_checks, spin_hints_cap, yield_checks })
+}
+
 fn barrier_round(c: &mut Criterion) {
     let cores = thread::available_parallelism().map_or(1, |n| n.get());
     let mut group = c.benchmark_group(format!("barrier_round_{cores}cores"));
@@ -79,6 +90,12 @@ fn barrier_round(c: &mut Criterion) {
         {
             let p = Parties::new(SpinParkBarrier::new(parties), parties, spin_park_wait);
             group.bench_with_input(BenchmarkId::new("spin_park", parties), &parties, |b, _| {
+                b.iter_custom(|iters| p.rounds(iters));
+            });
+        }
+        if let Some(policy) = policy_from_env() {
+            let p = Parties::new(SpinParkBarrier::with_backoff(parties, policy), parties, spin_park_wait);
+            group.bench_with_input(BenchmarkId::new("spin_park_env", parties), &parties, |b, _| {
                 b.iter_custom(|iters| p.rounds(iters));
             });
         }

@@ -13,8 +13,9 @@
 //!   deadline; and [`StdBarrier`], `std::sync::Barrier` made abortable. Both
 //!   implement [`AbortableBarrier`] and mirror `std::sync::Barrier`
 //!   (`wait()` → [`BarrierWaitResult::is_leader`]). The protocol and the
-//!   argument that no wake-up is lost are in the docs of
-//!   [`SpinParkBarrier`]'s module (`src/barrier/spin_park.rs`).
+//!   argument that no wake-up is lost are in [`barrier::spin_park`]; the
+//!   abortable std barrier's "stand-in" protocol is in
+//!   [`barrier::std_barrier`].
 //! * **Collective** ([`CpuAllReduce`]): an in-process, allocation-free,
 //!   abortable all-reduce (sum of `f32` slices) whose result is bit-identical
 //!   on every rank.

@@ -101,6 +101,9 @@ pub fn run(a: CiArgs) -> Result<()> {
     let mut c = cargo();
     c.args(["test", "-p", "ferrum-tp", "--no-default-features", "--features", "barrier-std"]);
     t.run("tests (ferrum-tp, barrier-std)", c)?;
+    let mut c = cargo();
+    c.args(["test", "-p", "ferrum-runner", "--no-default-features", "--features", "barrier-std", "--test", "tp"]);
+    t.run("tests (CPU tensor parallelism, barrier-std)", c)?;
 
     // Loom explores every interleaving of the barrier protocol; it runs in release, in its own
     // target dir so the `--cfg loom` build does not evict the normal one.

@@ -348,8 +348,8 @@ impl Kernels {
         Ok(())
     }
 
-    /// `y = W x` (batch 1) with ferrum's GEMV. `silu`: x is the gate|up row of width 2*cols and
-    /// the kernel uses silu(gate)*up. `f32_out`: y is fp32 (the `y32` region) instead of `y`.
+    /// `y = W x` (batch 1) with ferrum's GEMV: `y` has `rows` elements, or, with `f32_out`,
+    /// the fp32 `y32` has them instead.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv(
         &self,
@@ -359,29 +359,49 @@ impl Kernels {
         x: Region<'_, u16>,
         rows: usize,
         cols: usize,
-        silu: bool,
     ) -> Result<()> {
         let f32_out = y32.ptr != 0;
-        if f32_out && silu {
-            return Err(Error::Internal("gemv: silu with f32 output".into()));
-        }
         let py = if f32_out { y32.need(rows, "gemv y32")? } else { y.need(rows, "gemv y")? };
         let pw = w.need(rows * cols, "gemv W")?;
-        let px = x.need(if silu { 2 * cols } else { cols }, "gemv x")?;
+        let px = x.need(cols, "gemv x")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        let k = match (f32_out, silu) {
-            (true, _) => pick(self.dtype, Kernel::GemvF32OutF16, Kernel::GemvF32OutBf16),
-            (false, true) => pick(self.dtype, Kernel::GemvSiluF16, Kernel::GemvSiluBf16),
-            (false, false) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+        let k = if f32_out {
+            pick(self.dtype, Kernel::GemvF32OutF16, Kernel::GemvF32OutBf16)
+        } else {
+            pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16)
         };
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
         let grid = grid1(rows.div_ceil(GEMV_ROWS_PER_BLOCK))?;
-        // SAFETY: each warp reads rows r0 .. r0+2 of W (clamped to rows-1) over cols, x over
-        // cols (2*cols with silu) and writes y[r] for r < rows only; extents checked above;
-        // the 16-byte path runs only when cols % 8 == 0, where every row start is 16-byte
-        // aligned (allocations are 256-byte aligned and region offsets are whole rows).
+        // SAFETY: each warp reads rows r0, r0+1 of W (clamped to rows-1) over cols and x over
+        // cols, and writes y[r] for r < rows only; extents checked above. The 16-byte path runs
+        // only when cols % 8 == 0; then W's rows and x are 16-byte aligned, because
+        // allocations are 256-byte aligned and every region passed here starts at a whole
+        // matrix or at an activation row, i.e. at a multiple of cols elements.
         unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv"))?;
+        Ok(())
+    }
+
+    /// `h[i] = silu(gate[i] . x) * (up[i] . x)` for `i < inter`, W = [gate; up] (`2*inter` rows).
+    pub(crate) fn gemv_gateup(
+        &self,
+        h: Region<'_, u16>,
+        w: Region<'_, u16>,
+        x: Region<'_, u16>,
+        inter: usize,
+        cols: usize,
+    ) -> Result<()> {
+        let ph = h.need(inter, "gateup h")?;
+        let pw = w.need(2 * inter * cols, "gateup W")?;
+        let px = x.need(cols, "gateup x")?;
+        let (r, c) = (i32_of(inter, "inter")?, i32_of(cols, "cols")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16));
+        b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c);
+        let grid = grid1(inter.div_ceil(GEMV_BLOCK as usize / 32))?;
+        // SAFETY: warp i < inter reads W rows i and inter + i over cols (both < 2*inter) and x
+        // over cols, and writes h[i]; warps with i >= inter return at once; extents checked
+        // above; alignment as for `gemv`.
+        unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
 

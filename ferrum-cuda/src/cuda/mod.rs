@@ -772,7 +772,7 @@ fn project(
     n: usize,
 ) -> Result<()> {
     if n == 1 && p == Projection::Gemv {
-        k.gemv(y, Region::null(), w, x, rows, cols, false)
+        k.gemv(y, Region::null(), w, x, rows, cols)
     } else {
         k.gemm(y, Region::null(), w, x, rows, cols, n)
     }
@@ -889,39 +889,31 @@ fn forward(
             h,
             eps,
         )?;
-        project(
-            k,
-            p,
-            region(&a.gu, st, 0, n * 2 * inter)?,
-            whole(&lw.wgu, st)?,
-            region(&a.y, st, 0, n * h)?,
-            2 * inter,
-            h,
-            n,
-        )?;
         if n == 1 && p == Projection::Gemv {
-            k.gemv(
-                region(&a.o, st, 0, h)?,
-                Region::null(),
-                whole(&lw.wdown, st)?,
-                region(&a.gu, st, 0, 2 * inter)?,
-                h,
-                inter,
-                true,
-            )?;
+            k.gemv_gateup(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.y, st, 0, h)?, inter, h)?;
         } else {
-            k.silu_mul(region(&a.h, st, 0, n * inter)?, region(&a.gu, st, 0, n * 2 * inter)?, inter, n)?;
             project(
                 k,
                 p,
-                region(&a.o, st, 0, n * h)?,
-                whole(&lw.wdown, st)?,
-                region(&a.h, st, 0, n * inter)?,
+                region(&a.gu, st, 0, n * 2 * inter)?,
+                whole(&lw.wgu, st)?,
+                region(&a.y, st, 0, n * h)?,
+                2 * inter,
                 h,
-                inter,
                 n,
             )?;
+            k.silu_mul(region(&a.h, st, 0, n * inter)?, region(&a.gu, st, 0, n * 2 * inter)?, inter, n)?;
         }
+        project(
+            k,
+            p,
+            region(&a.o, st, 0, n * h)?,
+            whole(&lw.wdown, st)?,
+            region(&a.h, st, 0, n * inter)?,
+            h,
+            inter,
+            n,
+        )?;
         reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, dtype: k.dtype, stream: st })?;
         let next_norm = match w.layers.get(li + 1) {
             Some(next) => &next.attn_norm,
@@ -940,7 +932,7 @@ fn forward(
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     let last = region(&a.y, st, (n - 1) * h, h)?;
     if p == Projection::Gemv {
-        k.gemv(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h, false)
+        k.gemv(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h)
     } else {
         k.gemm(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h, 1)
     }

@@ -9,11 +9,11 @@
 //! [`BarrierError::Aborted`] at once, so a party that fails can never hang the
 //! others.
 
-mod spin_park;
+pub mod spin_park;
 #[cfg(not(loom))]
-mod std_barrier;
+pub mod std_barrier;
 
-pub use spin_park::{BackoffPolicy, SpinParkBarrier};
+pub use spin_park::{BackoffPolicy, SpinParkBarrier, SPIN_BACKOFF_CAP, SPIN_CHECKS, YIELD_CHECKS};
 #[cfg(not(loom))]
 pub use std_barrier::StdBarrier;
 

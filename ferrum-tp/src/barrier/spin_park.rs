@@ -35,7 +35,8 @@
 //! 3. Everyone else waits for the generation to move:
 //!    * **spin**: re-read `state` up to `spin_checks` times, with a bounded
 //!      exponential backoff of `spin_loop` hints between reads
-//!      (1, 2, 4, … capped at [`SPIN_BACKOFF_CAP`] hints);
+//!      (1, 2, 4, … capped at `spin_hints_cap` hints, [`SPIN_BACKOFF_CAP`]
+//!      by default);
 //!    * **yield**: up to `yield_checks` more reads, each after a
 //!      `thread::yield_now()`;
 //!    * **park** (`#[cold]`): take the park mutex, CAS `PARKED` into `state`
@@ -170,6 +171,9 @@ pub struct BackoffPolicy {
     /// Reads of the barrier state, with a bounded exponential backoff of
     /// `spin_loop` hints between them, before the yield phase.
     pub spin_checks: u32,
+    /// Cap of the exponential backoff between two spin-phase reads, in
+    /// `spin_loop` hints (1, 2, 4, … up to this).
+    pub spin_hints_cap: u32,
     /// Reads of the barrier state, each after `thread::yield_now()`, before
     /// parking.
     pub yield_checks: u32,
@@ -177,13 +181,15 @@ pub struct BackoffPolicy {
 
 impl BackoffPolicy {
     /// Spin, then yield, then park: for parties ≤ cores.
-    pub const SPIN: Self = Self { spin_checks: SPIN_CHECKS, yield_checks: YIELD_CHECKS };
+    pub const SPIN: Self =
+        Self { spin_checks: SPIN_CHECKS, spin_hints_cap: SPIN_BACKOFF_CAP, yield_checks: YIELD_CHECKS };
 
     /// Yield, then park (no spinning): for more parties than cores.
-    pub const OVERSUBSCRIBED: Self = Self { spin_checks: 0, yield_checks: YIELD_CHECKS };
+    pub const OVERSUBSCRIBED: Self =
+        Self { spin_checks: 0, spin_hints_cap: SPIN_BACKOFF_CAP, yield_checks: YIELD_CHECKS };
 
     /// Park at once: lowest CPU use, highest latency.
-    pub const PARK: Self = Self { spin_checks: 0, yield_checks: 0 };
+    pub const PARK: Self = Self { spin_checks: 0, spin_hints_cap: SPIN_BACKOFF_CAP, yield_checks: 0 };
 
     /// [`SPIN`](Self::SPIN) if `parties` ≤ the cores available to this
     /// process, else [`OVERSUBSCRIBED`](Self::OVERSUBSCRIBED).
@@ -191,7 +197,7 @@ impl BackoffPolicy {
     pub fn for_parties(parties: usize) -> Self {
         if cfg!(loom) {
             // Keep the model small: one spin read, then park.
-            Self { spin_checks: 1, yield_checks: 0 }
+            Self { spin_checks: 1, spin_hints_cap: 1, yield_checks: 0 }
         } else if parties <= available_cores() {
             Self::SPIN
         } else {
@@ -413,7 +419,7 @@ impl SpinParkBarrier {
                 }
             }
             if check < policy.spin_checks {
-                let hints = 1u32 << check.min(SPIN_BACKOFF_CAP.trailing_zeros());
+                let hints = (1u32 << check.min(31)).min(policy.spin_hints_cap);
                 for _ in 0..hints {
                     hint::spin_loop();
                 }

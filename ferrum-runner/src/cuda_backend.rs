@@ -1,0 +1,285 @@
+//! The CUDA backend: turns [`ModelWeights`] into ferrum-cuda's [`CudaDecodeRunner`] (one GPU)
+//! and drives it through [`DecodeBackend`].
+//!
+//! Weights are converted on the host to the GPU dtype (bf16 unless `--dtype f16`); quantized GGUF
+//! linears are dequantized first. `--synthetic` shapes get random weights generated on the GPU.
+
+use candle_core::{DType, Tensor};
+use ferrum_cuda::{CudaDecodeRunner, CudaModelSpec, HostData, HostLayer, HostTensor, HostWeights};
+
+use crate::backend::DecodeBackend;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::load::LoadedModel;
+use crate::session::SessionOptions;
+use crate::weights::{Linear, ModelWeights};
+
+/// Maps ferrum-cuda's errors onto ferrum-runner's.
+pub fn cuda_error(e: ferrum_cuda::Error) -> Error {
+    match e {
+        ferrum_cuda::Error::TokenOutOfRange { token, vocab } => Error::TokenOutOfRange { token, vocab },
+        ferrum_cuda::Error::PositionOutOfRange { position, capacity, .. } => {
+            Error::ContextOverflow { position, capacity }
+        }
+        ferrum_cuda::Error::CapacityExhausted { len, capacity, .. } => {
+            Error::ContextOverflow { position: len, capacity }
+        }
+        ferrum_cuda::Error::UnknownSequence(s) => Error::UnknownSequence(s),
+        other => Error::Unavailable("CUDA", other.to_string()),
+    }
+}
+
+/// The runner's model description for a (single-GPU) config.
+pub fn spec_of(cfg: &ModelConfig) -> CudaModelSpec {
+    CudaModelSpec {
+        vocab: cfg.vocab_size,
+        hidden: cfg.hidden_size,
+        intermediate: cfg.intermediate_size,
+        layers: cfg.num_layers,
+        heads: cfg.num_heads,
+        kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+        rope_inv_freq: cfg.rope_inv_freq(),
+        rms_eps: cfg.rms_norm_eps as f32,
+        qkv_bias: cfg.attention_bias,
+        qk_norm: cfg.qk_norm,
+        tied_embeddings: cfg.tie_word_embeddings,
+    }
+}
+
+/// The GPU dtype for `--dtype` (`None`: bf16).
+pub fn gpu_dtype(d: Option<DType>) -> Result<ferrum_cuda::DType> {
+    match d {
+        None | Some(DType::BF16) => Ok(ferrum_cuda::DType::BF16),
+        Some(DType::F16) => Ok(ferrum_cuda::DType::F16),
+        Some(other) => Err(Error::InvalidInput(format!("--device cuda runs f16 or bf16, not {other:?}"))),
+    }
+}
+
+/// Bytes of weights one decode step reads: every matrix, the norms, one embedding row.
+pub fn weight_bytes_per_token(cfg: &ModelConfig, _opts: &SessionOptions) -> u64 {
+    let (h, i, v) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.vocab_size as u64);
+    let (q, kv) = (cfg.q_dim() as u64, cfg.kv_dim() as u64);
+    let layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h;
+    2 * (cfg.num_layers as u64 * layer + v * h + h + h)
+}
+
+/// Host copies of the weights in the GPU dtype (what [`HostWeights`] borrows).
+struct Converted {
+    embed: Vec<half::bf16>,
+    embed16: Vec<half::f16>,
+    tensors: Vec<Conv>,
+}
+
+enum Conv {
+    Bf16(Vec<half::bf16>),
+    F16(Vec<half::f16>),
+}
+
+impl Conv {
+    fn data(&self) -> HostData<'_> {
+        match self {
+            Conv::Bf16(v) => HostData::BF16(v),
+            Conv::F16(v) => HostData::F16(v),
+        }
+    }
+}
+
+fn convert(t: &Tensor, dtype: ferrum_cuda::DType) -> Result<Conv> {
+    let flat = t.flatten_all()?;
+    Ok(match dtype {
+        ferrum_cuda::DType::BF16 => Conv::Bf16(flat.to_dtype(DType::BF16)?.to_vec1::<half::bf16>()?),
+        ferrum_cuda::DType::F16 => Conv::F16(flat.to_dtype(DType::F16)?.to_vec1::<half::f16>()?),
+    })
+}
+
+fn dense(l: &Linear) -> Result<Tensor> {
+    match l {
+        Linear::Dense(t) => Ok(t.clone()),
+        Linear::Quantized(_) => l.to_dense(DType::F32),
+    }
+}
+
+/// Builds a single-GPU runner from host weights. `progress(done, total)` gets bytes uploaded.
+pub fn build_runner(
+    w: &ModelWeights,
+    dtype: ferrum_cuda::DType,
+    ordinal: usize,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<CudaDecodeRunner> {
+    let cfg = &w.config;
+    cfg.validate()?;
+    if cfg.has_o_bias() {
+        return Err(Error::BadConfig("o_proj bias is not supported by the CUDA runner".into()));
+    }
+    let spec = spec_of(cfg);
+    // Convert in a fixed order; HostWeights then borrows the converted buffers.
+    let mut conv = Converted { embed: Vec::new(), embed16: Vec::new(), tensors: Vec::new() };
+    match convert(&w.embed, dtype)? {
+        Conv::Bf16(v) => conv.embed = v,
+        Conv::F16(v) => conv.embed16 = v,
+    }
+    let mut shapes: Vec<Vec<usize>> = Vec::new();
+    let mut push = |conv: &mut Converted, t: Tensor| -> Result<()> {
+        shapes.push(t.dims().to_vec());
+        conv.tensors.push(convert(&t, dtype)?);
+        Ok(())
+    };
+    for l in &w.layers {
+        push(&mut conv, l.attn_norm.clone())?;
+        for lin in [&l.q, &l.k, &l.v, &l.o] {
+            push(&mut conv, dense(lin)?)?;
+        }
+        for t in [&l.q_bias, &l.k_bias, &l.v_bias, &l.q_norm, &l.k_norm].into_iter().flatten() {
+            push(&mut conv, t.clone())?;
+        }
+        push(&mut conv, l.mlp_norm.clone())?;
+        for lin in [&l.gate, &l.up, &l.down] {
+            push(&mut conv, dense(lin)?)?;
+        }
+    }
+    push(&mut conv, w.final_norm.clone())?;
+    if !cfg.tie_word_embeddings {
+        push(&mut conv, dense(&w.lm_head)?)?;
+    }
+    let embed_data = match dtype {
+        ferrum_cuda::DType::BF16 => HostData::BF16(&conv.embed),
+        ferrum_cuda::DType::F16 => HostData::F16(&conv.embed16),
+    };
+    let mut it = conv.tensors.iter().zip(shapes).map(|(c, s)| HostTensor::new(s, c.data()));
+    let mut next = || it.next().ok_or_else(|| Error::BadConfig("internal: weight list out of step".into()));
+    let mut layers = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        let attn_norm = next()?;
+        let (q, k, v, o) = (next()?, next()?, next()?, next()?);
+        let mut opt = |present: bool| -> Result<Option<HostTensor<'_>>> {
+            if present {
+                next().map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let q_bias = opt(l.q_bias.is_some())?;
+        let k_bias = opt(l.k_bias.is_some())?;
+        let v_bias = opt(l.v_bias.is_some())?;
+        let q_norm = opt(l.q_norm.is_some())?;
+        let k_norm = opt(l.k_norm.is_some())?;
+        let mlp_norm = next()?;
+        let (gate, up, down) = (next()?, next()?, next()?);
+        layers.push(HostLayer {
+            attn_norm,
+            q,
+            k,
+            v,
+            o,
+            q_bias,
+            k_bias,
+            v_bias,
+            q_norm,
+            k_norm,
+            mlp_norm,
+            gate,
+            up,
+            down,
+        });
+    }
+    let final_norm = next()?;
+    let lm_head = if cfg.tie_word_embeddings { None } else { Some(next()?) };
+    let hw = HostWeights { embed: HostTensor::new(w.embed.dims().to_vec(), embed_data), layers, final_norm, lm_head };
+    CudaDecodeRunner::new(spec, &hw, dtype, ordinal, progress).map_err(cuda_error)
+}
+
+/// One sequence on one GPU, as a [`DecodeBackend`].
+#[derive(Debug)]
+pub struct CudaBackend {
+    runner: CudaDecodeRunner,
+    active: bool,
+    pos: usize,
+    logits: Vec<f32>,
+    label: String,
+}
+
+const SEQ: u64 = 0;
+
+impl CudaBackend {
+    /// Wraps a runner.
+    pub fn new(runner: CudaDecodeRunner) -> Self {
+        let label = match runner.device_info() {
+            Ok(i) => format!("cuda:{} {} ({})", i.ordinal, runner.dtype().name(), i.name),
+            Err(_) => format!("cuda {}", runner.dtype().name()),
+        };
+        Self { runner, active: false, pos: 0, logits: Vec::new(), label }
+    }
+    /// The runner.
+    pub fn runner(&mut self) -> &mut CudaDecodeRunner {
+        &mut self.runner
+    }
+}
+
+impl DecodeBackend for CudaBackend {
+    fn vocab_size(&self) -> usize {
+        self.runner.spec().vocab
+    }
+
+    fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        if self.active {
+            self.runner.release(SEQ).map_err(cuda_error)?;
+            self.active = false;
+        }
+        self.runner.init_sequence(SEQ, capacity).map_err(cuda_error)?;
+        self.active = true;
+        self.runner.prefill(SEQ, tokens).map_err(cuda_error)?;
+        self.pos = tokens.len();
+        self.runner.logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        Ok(self.logits.clone())
+    }
+
+    fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        if !self.active {
+            return Err(Error::InvalidInput("step before prefill".into()));
+        }
+        self.runner.decode_step(SEQ, token, self.pos).map_err(cuda_error)?;
+        self.pos += 1;
+        self.runner.logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        Ok(self.logits.clone())
+    }
+
+    fn describe(&self) -> String {
+        self.label.clone()
+    }
+}
+
+fn check_tp(opts: &SessionOptions) -> Result<()> {
+    if opts.tp > 1 {
+        return Err(Error::Tp("tensor parallelism on CUDA is not wired yet (use --tp 1)".into()));
+    }
+    Ok(())
+}
+
+/// Opens a loaded model on GPU `ordinal`.
+pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bool) -> Result<Box<dyn DecodeBackend>> {
+    check_tp(opts)?;
+    let dtype = gpu_dtype(opts.dtype)?;
+    let mut last = 0u64;
+    let mut cb = |done: u64, total: u64| {
+        if progress && (done == total || done - last >= 1 << 30) {
+            last = done;
+            eprintln!("uploading weights: {:.1} / {:.1} GB", done as f64 / 1e9, total as f64 / 1e9);
+        }
+    };
+    Ok(Box::new(CudaBackend::new(build_runner(&m.weights, dtype, ordinal, &mut cb)?)))
+}
+
+/// Opens a random-weight model of shape `cfg` (weights generated on the GPU); also returns the
+/// weight bytes one decode step reads.
+pub fn open_synthetic(
+    cfg: &ModelConfig,
+    ordinal: usize,
+    opts: &SessionOptions,
+) -> Result<(Box<dyn DecodeBackend>, u64)> {
+    check_tp(opts)?;
+    cfg.validate()?;
+    let dtype = gpu_dtype(opts.dtype)?;
+    let runner = CudaDecodeRunner::random(spec_of(cfg), dtype, 0x5eed, ordinal).map_err(cuda_error)?;
+    Ok((Box::new(CudaBackend::new(runner)), weight_bytes_per_token(cfg, opts)))
+}

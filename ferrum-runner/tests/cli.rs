@@ -1,0 +1,142 @@
+//! The `ferrum` binary: bad input gets a clear error naming the flag or file, and a small
+//! random-weight GGUF model generates, streams, dumps logits and benchmarks end to end.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use candle_core::quantized::GgmlDType;
+use candle_core::DType;
+use ferrum_runner::config::Arch;
+use ferrum_runner::synthetic::{random_config, random_weights, write_gguf, GgufWriteOptions};
+
+fn ferrum(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrum")).args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+/// Runs ferrum expecting failure; returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = ferrum(args);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "ferrum {args:?} should fail; stderr: {err}");
+    assert!(!err.contains("panicked"), "ferrum {args:?} panicked: {err}");
+    err
+}
+
+/// A tiny random llama GGUF with a tokenizer, written once per test into `dir`.
+fn tiny_model(dir: &Path) -> PathBuf {
+    let cfg = random_config(Arch::Llama, true);
+    let w = random_weights(&cfg, DType::F32, 7).unwrap();
+    let path = dir.join("tiny.gguf");
+    write_gguf(&w, &path, &GgufWriteOptions { linear: GgmlDType::F32, embed: GgmlDType::F32, tokens: true }).unwrap();
+    path
+}
+
+#[test]
+fn bad_flags_are_clear_errors() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["generate", "--top-p", "1.5", "hi"], "--top-p"),
+        (&["generate", "--top-p", "0", "hi"], "--top-p"),
+        (&["generate", "--temperature", "-1", "hi"], "--temperature"),
+        (&["generate", "--max-tokens", "0", "hi"], "--max-tokens"),
+        (&["generate", "--tp", "0", "hi"], "--tp"),
+        (&["generate", "--device", "tpu", "hi"], "--device"),
+        (&["generate", "--dtype", "f8", "hi"], "--dtype"),
+        (&["generate", "   "], "prompt is empty"),
+        (&["bench", "--runs", "0"], "--runs"),
+    ];
+    for (args, needle) in cases {
+        let err = fails(args);
+        assert!(err.contains(needle), "ferrum {args:?}: expected `{needle}` in: {err}");
+    }
+}
+
+#[test]
+fn bad_model_files_name_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    let err = fails(&["generate", "--model", missing.to_str().unwrap(), "hi"]);
+    assert!(err.contains("nope.gguf"), "{err}");
+    let junk = dir.path().join("junk.bin");
+    std::fs::write(&junk, b"this is not a model file at all").unwrap();
+    let err = fails(&["generate", "--model", junk.to_str().unwrap(), "hi"]);
+    assert!(err.contains("junk.bin") && err.contains("not a"), "{err}");
+    let model = tiny_model(dir.path());
+    let bytes = std::fs::read(&model).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let err = fails(&["generate", "--model", cut.to_str().unwrap(), "hi"]);
+    assert!(err.contains("cut.gguf"), "{err}");
+}
+
+#[test]
+fn tiny_model_generates_streams_and_dumps_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let npy = dir.path().join("logits.npy");
+    let out = ferrum(&["generate", "--model", m, "--max-tokens", "5", "--dump-logits", npy.to_str().unwrap(), "abc"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(err.contains("prompt:") && err.contains("tok/s"), "stderr reports speed: {err}");
+    let bytes = std::fs::read(&npy).unwrap();
+    assert_eq!(&bytes[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let header = std::str::from_utf8(&bytes[10..10 + hlen]).unwrap();
+    let steps: usize = header.split("'shape': (").nth(1).unwrap().split(',').next().unwrap().trim().parse().unwrap();
+    assert!((1..=5).contains(&steps), "{header}");
+    assert_eq!(bytes.len() - 10 - hlen, steps * 256 * 4, "steps × vocab f32");
+
+    // Same seed, same text; stdin prompt works.
+    let run = |seed: &str| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_ferrum"));
+        c.args(["generate", "--model", m, "--max-tokens", "8", "--temperature", "0.9", "--top-k", "20"]);
+        c.args(["--top-p", "0.9", "--seed", seed, "-"]).stdin(Stdio::piped()).stdout(Stdio::piped());
+        let mut child = c.stderr(Stdio::null()).spawn().unwrap();
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(b"hello world").unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success());
+        o.stdout
+    };
+    assert_eq!(run("5"), run("5"));
+}
+
+#[test]
+fn prompt_longer_than_context_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let long = "a b c d e f g h ".repeat(100);
+    let err = fails(&["generate", "--model", model.to_str().unwrap(), &long]);
+    assert!(err.contains("context"), "{err}");
+}
+
+#[test]
+fn bench_reports_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let out = ferrum(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--runs",
+        "2",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["decode_tok_per_s"].as_f64().unwrap() > 0.0);
+    assert!(v["prefill_ms_median"].as_f64().unwrap() > 0.0);
+    assert!(v["weight_bytes_per_token"].as_u64().unwrap() > 0);
+}
+
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn cuda_without_the_feature_says_how_to_get_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let err = fails(&["generate", "--device", "cuda", "--model", model.to_str().unwrap(), "hi"]);
+    assert!(err.contains("--features cuda"), "{err}");
+}
