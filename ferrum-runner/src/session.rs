@@ -168,9 +168,14 @@ pub fn cpu_backend(
 /// Bytes of weights a decode step reads: every linear layer, the norms, one embedding row.
 pub fn weight_bytes_per_token(w: &ModelWeights) -> u64 {
     use crate::weights::Linear;
+    use candle_core::quantized::GgmlDType;
     let t = |x: &candle_core::Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
     let lin = |l: &Linear| match l {
         Linear::Dense(x) => t(x),
+        // Q4_1/Q5_x run as Q8_0 on the CPU (see `Linear::qmatmul`): 34 bytes per 32 weights.
+        Linear::Quantized(q) if matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
+            q.shape().elem_count() as u64 / 32 * 34
+        }
         Linear::Quantized(q) => q.storage_size_in_bytes() as u64,
     };
     let ot = |x: &Option<candle_core::Tensor>| x.as_ref().map_or(0, t);

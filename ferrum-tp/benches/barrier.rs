@@ -137,7 +137,7 @@ fn decode_step_round_trip(c: &mut Criterion) {
     group.sample_size(20).warm_up_time(Duration::from_millis(500)).measurement_time(Duration::from_secs(2));
     for world in [1usize, 2, 7] {
         let mut tp = TpDecodeGroup::new(TpConfig::new(world), |_| Ok(NoOp)).unwrap();
-        let label = format!("{}", if cfg!(feature = "barrier-std") { "std" } else { "spin_park" });
+        let label = if cfg!(feature = "barrier-std") { "std" } else { "spin_park" };
         group.bench_with_input(BenchmarkId::new(label, world), &world, |b, _| {
             let mut pos = 0usize;
             b.iter(|| {

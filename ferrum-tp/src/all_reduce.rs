@@ -65,12 +65,15 @@ pub enum CollectiveError {
     LengthMismatch,
 }
 
+/// One rank's buffer (`max_len` floats).
+type Slot = UnsafeCell<Box<[f32]>>;
+
 struct Shared {
     world: usize,
     max_len: usize,
     barrier: GroupBarrier,
     /// `slots[parity][rank]`, `max_len` floats each.
-    slots: [Box<[UnsafeCell<Box<[f32]>>]>; 2],
+    slots: [Box<[Slot]>; 2],
     /// `lens[parity][rank]`: the length rank wrote in its slot.
     lens: [Box<[CachePadded<AtomicUsize>]>; 2],
 }

@@ -3,6 +3,8 @@
 //! a panic while the other ranks are inside the all-reduce). Runs under
 //! whichever barrier the features select.
 #![cfg(not(loom))]
+// Index loops mirror the reference computations' rank order.
+#![allow(clippy::needless_range_loop)]
 
 use std::collections::HashSet;
 use std::sync::{mpsc, Arc, Mutex};
@@ -78,7 +80,7 @@ struct TestWorker {
     steps: usize,
     sequences: HashSet<SequenceId>,
     buf: Vec<f32>,
-    log: Arc<Mutex<Vec<(usize, StepInput, Vec<f32>)>>>,
+    log: Log,
     thread_name: String,
 }
 
@@ -494,4 +496,15 @@ fn all_reduce_abort_releases_a_blocked_rank() {
             assert_eq!(t.join().unwrap(), Err(CollectiveError::Aborted));
         }
     });
+}
+
+#[test]
+fn features_select_the_group_barrier() {
+    let name = std::any::type_name::<ferrum_tp::GroupBarrier>();
+    // barrier-std wins when both features are on.
+    if cfg!(feature = "barrier-std") {
+        assert!(name.ends_with("StdBarrier"), "{name}");
+    } else {
+        assert!(name.ends_with("SpinParkBarrier"), "{name}");
+    }
 }

@@ -42,15 +42,20 @@ fn rounds(parties: usize, rounds: usize, policy: BackoffPolicy) {
             let (barrier, cells, leaders) = (barrier.clone(), cells.clone(), leaders.clone());
             move |me: usize| {
                 for r in 0..rounds {
-                    // SAFETY (test): only party `me` writes its cell of round r,
-                    // before the barrier of round r.
-                    cells[r * parties + me].with_mut(|p| unsafe { *p = r + 1 });
+                    cells[r * parties + me].with_mut(|p| {
+                        // SAFETY: only party `me` writes its cell of round r,
+                        // before the barrier of round r (loom checks it).
+                        unsafe { *p = r + 1 }
+                    });
                     if barrier.wait().unwrap().is_leader() {
                         leaders.fetch_add(1, Ordering::Relaxed);
                     }
                     for other in 0..parties {
-                        // SAFETY (test): written before the barrier we passed.
-                        let v = cells[r * parties + other].with(|p| unsafe { *p });
+                        let v = cells[r * parties + other].with(|p| {
+                            // SAFETY: written before the barrier we passed
+                            // (loom checks it).
+                            unsafe { *p }
+                        });
                         assert_eq!(v, r + 1, "round {r}: party {other}'s write not visible");
                     }
                 }

@@ -30,8 +30,9 @@ fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask sits in the workspace").to_path_buf()
 }
 
-/// Runs cargo with `--message-format=json` and returns the executables it reports, in order.
-fn cargo_executables(args: &[&str]) -> Result<Vec<PathBuf>> {
+/// Runs cargo with `--message-format=json` and returns the executables it reports, in order
+/// (with `tests_only`, only test harnesses: `cargo test` also reports the package's binaries).
+fn cargo_executables(args: &[&str], tests_only: bool) -> Result<Vec<PathBuf>> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     println!("gpu-bundle: cargo {}", args.join(" "));
     let out = Command::new(cargo)
@@ -46,7 +47,7 @@ fn cargo_executables(args: &[&str]) -> Result<Vec<PathBuf>> {
     }
     let mut exes = Vec::new();
     for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if !line.contains("\"reason\":\"compiler-artifact\"") {
+        if !line.contains("\"reason\":\"compiler-artifact\"") || (tests_only && !line.contains("\"kind\":[\"test\"]")) {
             continue;
         }
         if let Some(i) = line.find("\"executable\":\"") {
@@ -98,34 +99,20 @@ pub fn run(a: BundleArgs) -> Result<()> {
     fs::create_dir_all(&out)?;
     let mut total = 0;
     let cuda_tests = one(
-        cargo_executables(&[
-            "test",
-            "--release",
-            "-p",
-            "ferrum-cuda",
-            "--features",
-            "cuda",
-            "--test",
-            "gpu",
-            "--no-run",
-        ])?,
+        cargo_executables(
+            &["test", "--release", "-p", "ferrum-cuda", "--features", "cuda", "--test", "gpu", "--no-run"],
+            true,
+        )?,
         "ferrum-cuda's GPU tests",
     )?;
     total += install(&cuda_tests, &out.join("gpu-tests-cuda"))?;
     if !a.cuda_only {
         if root.join("ferrum-runner/tests/gpu.rs").is_file() {
             let t = one(
-                cargo_executables(&[
-                    "test",
-                    "--release",
-                    "-p",
-                    "ferrum-runner",
-                    "--features",
-                    "cuda",
-                    "--test",
-                    "gpu",
-                    "--no-run",
-                ])?,
+                cargo_executables(
+                    &["test", "--release", "-p", "ferrum-runner", "--features", "cuda", "--test", "gpu", "--no-run"],
+                    true,
+                )?,
                 "ferrum-runner's GPU tests",
             )?;
             total += install(&t, &out.join("gpu-tests"))?;
@@ -133,7 +120,10 @@ pub fn run(a: BundleArgs) -> Result<()> {
             eprintln!("gpu-bundle: ferrum-runner/tests/gpu.rs does not exist yet; skipped");
         }
         let bin = one(
-            cargo_executables(&["build", "--release", "-p", "ferrum-runner", "--features", "cuda", "--bin", "ferrum"])?,
+            cargo_executables(
+                &["build", "--release", "-p", "ferrum-runner", "--features", "cuda", "--bin", "ferrum"],
+                false,
+            )?,
             "the ferrum binary",
         )?;
         total += install(&bin, &out.join("ferrum"))?;

@@ -147,14 +147,18 @@ const GEN_MASK: usize = !(POISONED | PARKED);
 
 /// Spin phase: re-reads of `state` before yielding (parties ≤ cores).
 ///
-/// Tuned with `benches/barrier.rs`: with 2 parties on 2 idle cores a round
-/// takes ~100–200 ns, so the spin phase (≈ 1 k `spin_loop` hints, tens of µs)
-/// only runs out when a party is really late, e.g. busy with a decode step.
-pub const SPIN_CHECKS: u32 = 64;
+/// Tuned with `benches/barrier.rs` (see the README's table). With 2 parties
+/// on 2 free cores a round takes ~200 ns, far inside the spin phase
+/// (16 reads, 1 + 2 + 4 + 13 × 8 = 111 `spin_loop` hints, a few µs). A
+/// longer phase (64 reads, cap 16: ~1 k hints) bought nothing on free cores
+/// but made rounds ~6× slower (22 µs vs 3.7 µs, std: 9.5 µs) when other
+/// processes loaded the cores: a spinner whose partner has been descheduled
+/// burns its own time slice before yielding to it.
+pub const SPIN_CHECKS: u32 = 16;
 /// Spin phase: the cap of the exponential backoff, in `spin_loop` hints
-/// between two reads. Small, so that a release is noticed within ~a hundred
+/// between two reads. Small, so a release is noticed within ~a hundred
 /// cycles even late in the spin phase.
-pub const SPIN_BACKOFF_CAP: u32 = 16;
+pub const SPIN_BACKOFF_CAP: u32 = 8;
 /// Yield phase: re-reads of `state`, each after `thread::yield_now()`, before
 /// parking. Yielding hands the core to a party that is runnable but not
 /// running, which is what an oversubscribed barrier needs.
