@@ -61,6 +61,7 @@ impl HostData<'_> {
         self.len() == 0
     }
     /// Converts `self[start..start + out.len()]` into `dtype` bit patterns.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn convert_into(&self, dtype: DType, start: usize, out: &mut [u16]) {
         let n = out.len();
         match (self, dtype) {
@@ -105,6 +106,7 @@ impl<'a> HostTensor<'a> {
     pub fn new(shape: impl Into<Vec<usize>>, data: HostData<'a>) -> Self {
         Self { shape: shape.into(), data }
     }
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn check(&self, name: &str, want: &[usize]) -> Result<()> {
         if self.shape != want {
             return Err(Error::BadWeight {

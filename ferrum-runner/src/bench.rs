@@ -53,6 +53,10 @@ struct Report {
     decode_tok_per_s: f64,
     weight_bytes_per_token: u64,
     achieved_gb_per_s: f64,
+    /// GPU only: a large device-to-device copy, bytes read + written per second.
+    copy_gb_per_s: Option<f64>,
+    /// GPU only: achieved weight bandwidth over the copy bandwidth.
+    share_of_copy_bandwidth: Option<f64>,
     threads: usize,
 }
 
@@ -121,6 +125,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     prefill_ms.sort_by(f64::total_cmp);
     step_ms.sort_by(f64::total_cmp);
     let med = percentile(&step_ms, 0.5);
+    let achieved = bytes as f64 / (med * 1e-3) / 1e9;
+    let copy_gb_per_s = match opts.device {
+        DeviceSpec::Cuda(ordinal) => {
+            Some(ferrum_cuda::measure_copy_bandwidth(ordinal, 2 << 30)?.bytes_per_second / 1e9)
+        }
+        DeviceSpec::Cpu => None,
+    };
     let r = Report {
         model: name,
         backend: backend.describe(),
@@ -132,7 +143,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         decode_ms_per_token_p99: percentile(&step_ms, 0.99),
         decode_tok_per_s: 1e3 / med,
         weight_bytes_per_token: bytes,
-        achieved_gb_per_s: bytes as f64 / (med * 1e-3) / 1e9,
+        achieved_gb_per_s: achieved,
+        copy_gb_per_s,
+        share_of_copy_bandwidth: copy_gb_per_s.map(|c| achieved / c),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
     };
     if a.json {
@@ -145,6 +158,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("decode                {:.3} ms/token median, {:.3} p99", med, r.decode_ms_per_token_p99);
         println!("decode speed          {:.1} tok/s", r.decode_tok_per_s);
         println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
+        if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
+            println!("copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it", f * 100.0);
+        }
     }
     Ok(())
 }

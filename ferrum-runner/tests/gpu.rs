@@ -19,6 +19,20 @@ fn gpu(d: DType) -> ferrum_cuda::DType {
     }
 }
 
+/// A small model of realistic proportions per architecture: head_dim 64 (as in SmolLM2,
+/// Llama 3.2 1B, Qwen), 2 layers, hidden 256, GQA group 2 (3 for Qwen3, whose q width then
+/// differs from hidden, as in real Qwen3). The 16-wide heads of `random_config` are not a
+/// shape any real model has, and they inflate bf16 rounding past what a real shape sees.
+fn gpu_config(arch: Arch, tied: bool) -> ModelConfig {
+    let mut c = random_config(arch, tied);
+    c.hidden_size = 256;
+    c.intermediate_size = 512;
+    c.head_dim = 64;
+    c.num_kv_heads = 2;
+    c.num_heads = if arch == Arch::Qwen3 { 6 } else { 4 };
+    c
+}
+
 fn tol(d: DType) -> f64 {
     match d {
         DType::F16 => 3e-3,
@@ -121,7 +135,7 @@ fn every_arch_matches_the_cpu_reference() {
     for arch in [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3] {
         for tied in [false, true] {
             for d in [DType::BF16, DType::F16] {
-                let cfg = random_config(arch, tied);
+                let cfg = gpu_config(arch, tied);
                 match compare(&cfg, d, 100, 64, cfg.max_position_embeddings) {
                     Ok(e) => {
                         println!("RUNNER-REF {arch:?} tied={tied} {d:?}: max rel err {e:.2e} (tol {:.0e})", tol(d))
@@ -141,7 +155,7 @@ fn every_arch_matches_the_cpu_reference() {
 #[ignore = "needs a CUDA GPU"]
 fn context_of_4096_tokens() {
     for d in [DType::BF16, DType::F16] {
-        let mut cfg = random_config(Arch::Llama, false);
+        let mut cfg = gpu_config(Arch::Llama, false);
         cfg.max_position_embeddings = 4096;
         let e = compare(&cfg, d, 4032, 64, 4096).unwrap_or_else(|m| panic!("4096 ctx {d:?}: {m}"));
         println!("RUNNER-LONG {d:?} 4096 ctx: max rel err {e:.2e}");
@@ -260,9 +274,19 @@ fn hf_transformers_reference() {
                 got = g.step(fed[row]).unwrap();
             }
         }
-        let line = format!("{} ({d:?} on GPU): max rel err {worst:.2e} (tol {:.0e})", dir.display(), tol(d));
+        // The reference is float32 arithmetic on the checkpoint's (rounded) weights. PyTorch's own
+        // run in the checkpoint dtype lands `native` away from it; ferrum must meet the stated
+        // tolerance or, where PyTorch itself cannot, be no further off than PyTorch.
+        let native = meta["native_dtype_max_rel_err"].as_f64().unwrap_or(0.0);
+        let bound = tol(d).max(native);
+        let line = format!(
+            "{} ({d:?} on GPU): max rel err {worst:.2e} vs float32 (tol {:.0e}; PyTorch in {} lands at {native:.2e})",
+            dir.display(),
+            tol(d),
+            meta["dtype"].as_str().unwrap_or("?")
+        );
         println!("HF {line}");
-        if worst > tol(d) {
+        if worst > bound {
             failures.push(line);
         }
     }

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One full GPU round on a machine with a CUDA GPU and no Rust toolchain, from the repository
+# root, with `bundle/` (from `cargo xtask gpu-bundle`) beside it. Prints a compact summary last;
+# full logs go to $OUT (default /tmp/ferrum-gpu-out).
+#
+#   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
+#   SKIP_BENCH=1 bash scripts/gpu-session.sh
+set -u
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/ferrum-gpu-out}
+mkdir -p "$OUT"
+B=bundle
+S=$OUT/summary.txt
+: > "$S"
+say() { echo "$*" | tee -a "$S"; }
+
+say "== machine: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)"
+
+# HF transformers checkpoints with random weights, saved with save_pretrained, plus their logits.
+HF=/tmp/ferrum-hf
+rm -rf "$HF"; mkdir -p "$HF"
+for spec in "llama untied bfloat16" "llama tied float16" "mistral tied bfloat16" "qwen2 untied bfloat16" \
+            "qwen2 tied float16" "qwen3 untied bfloat16" "qwen3 tied float32"; do
+    set -- $spec
+    python3 scripts/hf_random_model.py --arch "$1" --"$2" --dtype "$3" --device cuda --out "$HF/$1-$2-$3" \
+        >>"$OUT/hf-models.log" 2>&1 || say "hf_random_model.py $spec FAILED (see hf-models.log)"
+done
+
+# The GPU suite: every test executable in the bundle, ignored (GPU) tests only.
+FERRUM_HF_REF_ROOT=$HF timeout 400 "$B/run-gpu-suite.sh" --nocapture >"$OUT/gpu-suite.log" 2>&1
+say "== GPU suite exit: $?"
+grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked" "$OUT/gpu-suite.log" | tee -a "$S"
+
+if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$B/gpu-tests-cuda" --ignored --test-threads=1 \
+        >"$OUT/memcheck.log" 2>&1
+    say "== memcheck (gpu-tests-cuda) exit: $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
+fi
+
+if [ -z "${SKIP_BENCH:-}" ]; then
+    say "== ferrum bench (bf16, 128-token prompt, 256 new tokens, median of 3 runs)"
+    for m in smollm2-135m llama3.2-1b llama3-8b; do
+        "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+            --runs 3 --json >"$OUT/bench-$m.json" 2>>"$OUT/bench.log"
+        python3 - "$OUT/bench-$m.json" <<'PY' | tee -a "$S"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(f"ferrum {r['model']}: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok "
+      f"(p99 {r['decode_ms_per_token_p99']:.3f}), prefill {r['prefill_ms_median']:.1f} ms, "
+      f"{r['achieved_gb_per_s']:.0f} GB/s = {100*r['share_of_copy_bandwidth']:.1f}% of copy {r['copy_gb_per_s']:.0f} GB/s")
+PY
+    done
+    if [ -f "$B/torch_decode.py" ]; then
+        say "== PyTorch peer (same GPU, same command)"
+        python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
+    fi
+fi
+echo; echo "===== SUMMARY ====="; cat "$S"
