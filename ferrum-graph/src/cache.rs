@@ -8,8 +8,8 @@
 //! reference.
 //!
 //! The cache is generic over the stored graph (`G`), so its policy is tested without a GPU; with
-//! the `cuda` feature, `G` defaults to [`CapturedGraph`](crate::CapturedGraph) and
-//! `get_or_capture` captures on a miss.
+//! the `cuda` feature, `GraphCache<K, CapturedGraph>` (alias `DecodeGraphCache<K>`) gains
+//! `get_or_capture` / `replay_or_capture`, which capture on a miss.
 
 use std::collections::hash_map::Entry as MapEntry;
 use std::collections::HashMap;

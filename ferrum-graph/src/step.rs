@@ -82,7 +82,10 @@ mod imp {
                 return Err(GraphError::WriteDuringCapture);
             }
             let buf = stream.alloc_zeros::<u32>(StepValues::SLOTS).map_err(driver_err("cuMemAlloc (step params)"))?;
-            let (base, _record) = buf.device_ptr(stream);
+            let base = {
+                let (p, _record) = buf.device_ptr(stream);
+                p
+            };
             Ok(StepParams { buf, base })
         }
 

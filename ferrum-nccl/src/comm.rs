@@ -742,6 +742,10 @@ impl<'a> Group<'a> {
 /// the collectives of every rank). If anything fails, every rank in `ranks` is aborted after
 /// `ncclGroupEnd` (so none waits for the others) and the first error is returned.
 ///
+/// Inside `f`, use only the [`Group`]'s methods: the group holds every listed rank's lock, so
+/// calling the ranks' own methods (or aborting them) from `f` would deadlock. Other threads that
+/// abort one of these ranks wait until the group is closed.
+///
 /// The group allocates one small vector (the rank locks); the collectives themselves do not.
 pub fn group<R>(ranks: &[&NcclRank], f: impl FnOnce(&Group<'_>) -> Result<R>) -> Result<R> {
     ensure_libs()?;

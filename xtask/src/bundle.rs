@@ -85,7 +85,7 @@ set -u
 export NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")"
 status=0
-for t in gpu-tests-cuda gpu-tests; do
+for t in gpu-tests-cuda gpu-tests-nccl gpu-tests-graph gpu-tests; do
     [ -x "./$t" ] || continue
     echo "== $t"
     "./$t" --ignored --test-threads=1 "$@" || status=1
@@ -98,27 +98,27 @@ pub fn run(a: BundleArgs) -> Result<()> {
     let out = a.out.unwrap_or_else(|| root.join("bundle"));
     fs::create_dir_all(&out)?;
     let mut total = 0;
-    let cuda_tests = one(
-        cargo_executables(
-            &["test", "--release", "-p", "ferrum-cuda", "--features", "cuda", "--test", "gpu", "--no-run"],
-            true,
-        )?,
-        "ferrum-cuda's GPU tests",
-    )?;
-    total += install(&cuda_tests, &out.join("gpu-tests-cuda"))?;
-    if !a.cuda_only {
-        if root.join("ferrum-runner/tests/gpu.rs").is_file() {
-            let t = one(
-                cargo_executables(
-                    &["test", "--release", "-p", "ferrum-runner", "--features", "cuda", "--test", "gpu", "--no-run"],
-                    true,
-                )?,
-                "ferrum-runner's GPU tests",
-            )?;
-            total += install(&t, &out.join("gpu-tests"))?;
-        } else {
-            eprintln!("gpu-bundle: ferrum-runner/tests/gpu.rs does not exist yet; skipped");
+    // (package, output name): every crate's `tests/gpu.rs`, each one release test executable.
+    let suites: &[(&str, &str)] = if a.cuda_only {
+        &[("ferrum-cuda", "gpu-tests-cuda")]
+    } else {
+        &[
+            ("ferrum-cuda", "gpu-tests-cuda"),
+            ("ferrum-nccl", "gpu-tests-nccl"),
+            ("ferrum-graph", "gpu-tests-graph"),
+            ("ferrum-runner", "gpu-tests"),
+        ]
+    };
+    for (pkg, name) in suites {
+        if !root.join(pkg).join("tests/gpu.rs").is_file() {
+            eprintln!("gpu-bundle: {pkg}/tests/gpu.rs does not exist; skipped");
+            continue;
         }
+        let args = ["test", "--release", "-p", pkg, "--features", "cuda", "--test", "gpu", "--no-run"];
+        let t = one(cargo_executables(&args, true)?, &format!("{pkg}'s GPU tests"))?;
+        total += install(&t, &out.join(name))?;
+    }
+    if !a.cuda_only {
         let bin = one(
             cargo_executables(
                 &["build", "--release", "-p", "ferrum-runner", "--features", "cuda", "--bin", "ferrum"],
