@@ -113,11 +113,15 @@ pub fn run(a: CiArgs) -> Result<()> {
     t.run("loom model check (ferrum-tp barrier)", c)?;
 
     if a.gpu {
-        let mut c = cargo();
-        c.args(["test", "-p", "ferrum-runner", "--release", "--features", "cuda", "--test", "gpu"]);
-        c.args(["--", "--ignored", "--test-threads=1"]);
-        c.env("NCCL_NVLS_ENABLE", "0");
-        t.run("GPU suite (needs a CUDA GPU)", c)?;
+        // Every crate's `tests/gpu.rs`, ignored (GPU-only) tests, one at a time; NVLink
+        // multicast stays off (shared machines must never create multicast objects).
+        for pkg in ["ferrum-cuda", "ferrum-nccl", "ferrum-graph", "ferrum-runner"] {
+            let mut c = cargo();
+            c.args(["test", "-p", pkg, "--release", "--features", "cuda", "--test", "gpu"]);
+            c.args(["--", "--ignored", "--test-threads=1"]);
+            c.env("NCCL_NVLS_ENABLE", "0");
+            t.run(&format!("GPU suite: {pkg} (needs a CUDA GPU)"), c)?;
+        }
     }
     t.summary();
     Ok(())
