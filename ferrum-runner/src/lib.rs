@@ -13,6 +13,7 @@
 pub mod backend;
 pub mod chat;
 pub mod config;
+pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 pub mod cuda_backend;
 pub mod error;

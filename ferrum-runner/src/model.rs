@@ -10,9 +10,10 @@
 //! (after the attention output projection and after the MLP down projection) call a
 //! [`Reducer`], which is a no-op for a whole model.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
+use crate::cpu_quant::CpuLinear;
 use crate::error::{Error, Result};
 use crate::weights::{LayerWeights, ModelWeights};
 
@@ -36,19 +37,19 @@ impl Reducer for NoReduce {
 #[derive(Debug)]
 struct CpuLayer {
     attn_norm: Tensor,
-    q: candle_core::quantized::QMatMul,
-    k: candle_core::quantized::QMatMul,
-    v: candle_core::quantized::QMatMul,
-    o: candle_core::quantized::QMatMul,
+    q: CpuLinear,
+    k: CpuLinear,
+    v: CpuLinear,
+    o: CpuLinear,
     q_bias: Option<Tensor>,
     k_bias: Option<Tensor>,
     v_bias: Option<Tensor>,
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     mlp_norm: Tensor,
-    gate: candle_core::quantized::QMatMul,
-    up: candle_core::quantized::QMatMul,
-    down: candle_core::quantized::QMatMul,
+    gate: CpuLinear,
+    up: CpuLinear,
+    down: CpuLinear,
 }
 
 /// A Llama-family decoder (or one TP shard of it) on the CPU.
@@ -63,7 +64,7 @@ pub struct CpuModel {
     embed: Tensor,
     layers: Vec<CpuLayer>,
     final_norm: Tensor,
-    lm_head: candle_core::quantized::QMatMul,
+    lm_head: CpuLinear,
     /// `[max_position, hd/2]` RoPE tables.
     cos: Tensor,
     sin: Tensor,
@@ -104,7 +105,7 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32)?)
 }
 
-fn linear(x: &Tensor, w: &candle_core::quantized::QMatMul, bias: Option<&Tensor>) -> Result<Tensor> {
+fn linear(x: &Tensor, w: &CpuLinear, bias: Option<&Tensor>) -> Result<Tensor> {
     let y = w.forward(x)?;
     Ok(match bias {
         Some(b) => y.broadcast_add(b)?,
@@ -148,7 +149,7 @@ impl CpuModel {
             embed: to(w.embed.clone())?,
             layers,
             final_norm: to(w.final_norm.clone())?,
-            lm_head: w.lm_head.qmatmul()?,
+            lm_head: w.lm_head.cpu_linear()?,
             cos: to(freqs.cos()?)?,
             sin: to(freqs.sin()?)?,
             config: cfg,
@@ -160,19 +161,19 @@ impl CpuModel {
         let co = |t: &Option<Tensor>| -> Result<Option<Tensor>> { t.as_ref().map(c).transpose() };
         Ok(CpuLayer {
             attn_norm: c(&l.attn_norm)?,
-            q: l.q.qmatmul()?,
-            k: l.k.qmatmul()?,
-            v: l.v.qmatmul()?,
-            o: l.o.qmatmul()?,
+            q: l.q.cpu_linear()?,
+            k: l.k.cpu_linear()?,
+            v: l.v.cpu_linear()?,
+            o: l.o.cpu_linear()?,
             q_bias: co(&l.q_bias)?,
             k_bias: co(&l.k_bias)?,
             v_bias: co(&l.v_bias)?,
             q_norm: co(&l.q_norm)?,
             k_norm: co(&l.k_norm)?,
             mlp_norm: c(&l.mlp_norm)?,
-            gate: l.gate.qmatmul()?,
-            up: l.up.qmatmul()?,
-            down: l.down.qmatmul()?,
+            gate: l.gate.cpu_linear()?,
+            up: l.up.cpu_linear()?,
+            down: l.down.cpu_linear()?,
         })
     }
 
@@ -306,6 +307,6 @@ impl CpuModel {
         cache.len = s;
         let last = x.narrow(0, t - 1, 1)?; // [1, D]
         let last = rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)?;
-        Ok(self.lm_head.forward(&last)?) // [1, V]
+        self.lm_head.forward(&last) // [1, V]
     }
 }

@@ -172,8 +172,9 @@ pub fn weight_bytes_per_token(w: &ModelWeights) -> u64 {
     let t = |x: &candle_core::Tensor| (x.elem_count() * x.dtype().size_in_bytes()) as u64;
     let lin = |l: &Linear| match l {
         Linear::Dense(x) => t(x),
-        // Q4_1/Q5_x run as Q8_0 on the CPU (see `Linear::qmatmul`): 34 bytes per 32 weights.
-        Linear::Quantized(q) if matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
+        // Q5_x run as Q8_0 on the CPU (see `Linear::qmatmul`): 34 bytes per 32 weights. Q4_1 runs
+        // on ferrum's own kernel (`cpu_quant`) and reads its own 20 bytes per 32 weights.
+        Linear::Quantized(q) if matches!(q.dtype(), GgmlDType::Q5_0 | GgmlDType::Q5_1) => {
             q.shape().elem_count() as u64 / 32 * 34
         }
         Linear::Quantized(q) => q.storage_size_in_bytes() as u64,

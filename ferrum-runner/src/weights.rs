@@ -16,6 +16,7 @@ use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Tensor};
 
 use crate::config::ModelConfig;
+use crate::cpu_quant::{CpuLinear, Q41Matrix};
 use crate::error::Result;
 
 /// How the weights of linear layers are kept in memory.
@@ -66,6 +67,8 @@ impl Linear {
     /// Q4_1, Q5_0 and Q5_1 (the default model is Q4_1: its 576-wide rows rule out K-quants).
     /// Those are re-quantized to Q8_0 here: 1.7x the bytes of Q4_1 but several times faster
     /// on AVX2, and Q8_0's rounding (1/254 of each 32-block's range) is far below Q4_1's.
+    /// The CPU model itself runs Q4_1 through ferrum's own kernel instead: see
+    /// [`Linear::cpu_linear`].
     pub fn qmatmul(&self) -> Result<QMatMul> {
         use candle_core::quantized::GgmlDType;
         Ok(match self {
@@ -75,6 +78,16 @@ impl Linear {
                 QMatMul::from_arc(Arc::new(QTensor::quantize(&dense, GgmlDType::Q8_0)?))?
             }
             Linear::Quantized(q) => QMatMul::from_arc(q.clone())?,
+        })
+    }
+
+    /// The matmul operator of the CPU forward pass: Q4_1 blocks stay as they are and run on
+    /// [`crate::cpu_quant`]'s kernels; everything else goes through [`Linear::qmatmul`].
+    pub fn cpu_linear(&self) -> Result<CpuLinear> {
+        use candle_core::quantized::GgmlDType;
+        Ok(match self {
+            Linear::Quantized(q) if q.dtype() == GgmlDType::Q4_1 => CpuLinear::Q4_1(Q41Matrix::from_qtensor(q)?),
+            _ => CpuLinear::Candle(self.qmatmul()?),
         })
     }
 }

@@ -127,8 +127,10 @@ impl Kernels {
         }
         let mut funcs = Vec::with_capacity(Kernel::ALL.len());
         for k in Kernel::ALL {
-            let f =
-                modules.iter().find_map(|m| m.load_function(k.name()).ok()).ok_or(Error::MissingKernel(k.name()))?;
+            // Look each kernel up in its own module only (no probing: a failed lookup is a real
+            // error, and it keeps compute-sanitizer's API-error log clean).
+            let i = ptx::MODULES.iter().position(|(n, _)| *n == k.module()).ok_or(Error::MissingKernel(k.name()))?;
+            let f = modules[i].load_function(k.name()).map_err(|_| Error::MissingKernel(k.name()))?;
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
