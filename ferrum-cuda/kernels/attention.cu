@@ -4,27 +4,27 @@
 // flash-decoding style) and the combine of the splits.
 //
 // Layouts: qkv rows are [q heads | k heads | v heads] x head_dim, one row per
-// token. A layer's cache is [kv_heads][capacity][head_dim]. Positions come
+// token, in fp32 (as are the attention outputs); the cache is in the model dtype. A layer's cache is [kv_heads][capacity][head_dim]. Positions come
 // from device memory (pos_base[0] + token index), so the launch does not
 // depend on the position (CUDA graphs can replay it).
 #include "common.cuh"
 
 // grid (heads + 2*kv_heads, n_tok); block: round_up(head_dim/2, 32) threads.
 template <typename T>
-__device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache,
+__device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache,
                          T *v_cache, const float *inv_freq, const uint32_t *pos_base, int heads,
                          int kv_heads, int hd, int capacity, float eps) {
     __shared__ float sh[32];
     const int h = blockIdx.x, tok = blockIdx.y, i = threadIdx.x, half_d = hd >> 1;
     const int row_len = (heads + 2 * kv_heads) * hd;
-    T *row = qkv + (size_t)tok * row_len;
+    float *row = qkv + (size_t)tok * row_len;
     const uint32_t pos = pos_base[0] + (uint32_t)tok;
     const bool active = i < half_d;
     const int off = h * hd;
     float a = 0.0f, b = 0.0f;
     if (active) {
-        a = to_f(row[off + i]);
-        b = to_f(row[off + i + half_d]);
+        a = row[off + i];
+        b = row[off + i + half_d];
         if (bias != nullptr) {
             a += to_f(bias[off + i]);
             b += to_f(bias[off + i + half_d]);
@@ -37,9 +37,8 @@ __device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm
             const float ss = block_sum(a * a + b * b, sh);
             const float r = rsqrtf(ss / (float)hd + eps);
             if (active) {
-                // Round as the reference does: the normed head is stored in the model dtype.
-                a = to_f(from_f<T>(a * r * to_f(nw[i])));
-                b = to_f(from_f<T>(b * r * to_f(nw[i + half_d])));
+                a = a * r * to_f(nw[i]);
+                b = b * r * to_f(nw[i + half_d]);
             }
         }
         if (active) {
@@ -51,10 +50,10 @@ __device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm
             b = nb;
         }
     }
-    if (is_q) {
+    if (is_q) {  // q stays fp32 (in place); only K/V are rounded, into the cache
         if (active) {
-            row[off + i] = from_f<T>(a);
-            row[off + i + half_d] = from_f<T>(b);
+            row[off + i] = a;
+            row[off + i + half_d] = b;
         }
         return;
     }
@@ -77,9 +76,9 @@ __device__ void rope_qkv(T *qkv, const T *bias, const T *q_norm, const T *k_norm
 // output is written to `out` [n_tok][heads*hd]; otherwise the unnormalised
 // partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum).
 template <typename T, int HD>
-__device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out,
-                          float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
-                          int kv_heads, int capacity, float scale) {
+__device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
+                          float *out, float *part_acc, float *part_ml, const uint32_t *pos_base,
+                          int heads, int kv_heads, int capacity, float scale) {
     constexpr int E = (HD + 31) / 32;  // elements per lane; lanes past HD/E idle when HD < 32
     __shared__ float s_m[ATTN_MAX_WARPS], s_l[ATTN_MAX_WARPS];
     __shared__ float s_acc[ATTN_MAX_WARPS][HD];
@@ -94,10 +93,10 @@ __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v
 
     float qv[E], acc[E];
     const bool lane_on = lane * E < HD;  // always true when HD is a multiple of 32
-    const T *qh = q + (size_t)tok * q_stride + h * HD + lane * E;
+    const float *qh = q + (size_t)tok * q_stride + h * HD + lane * E;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
-        qv[e] = lane_on ? to_f(qh[e]) * scale : 0.0f;
+        qv[e] = lane_on ? qh[e] * scale : 0.0f;
         acc[e] = 0.0f;
     }
     float m = FERRUM_NEG_INF, l = 0.0f;
@@ -140,7 +139,7 @@ __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v
         for (int w = 0; w < nw; ++w)
             A += (s_m[w] == FERRUM_NEG_INF) ? 0.0f : s_acc[w][d] * expf(s_m[w] - M);
         if (n_splits == 1) {
-            out[(size_t)tok * heads * HD + h * HD + d] = from_f<T>(L > 0.0f ? A / L : 0.0f);
+            out[(size_t)tok * heads * HD + h * HD + d] = L > 0.0f ? A / L : 0.0f;
         } else {
             part_acc[(((size_t)tok * heads + h) * n_splits + split) * HD + d] = A;
         }
@@ -153,7 +152,7 @@ __device__ void attn_impl(const T *q, int q_stride, const T *k_cache, const T *v
 }
 
 template <typename T>
-__device__ void attn(const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out,
+__device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
                      float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
                      int kv_heads, int hd, int capacity, float scale) {
     switch (hd) {
@@ -188,7 +187,7 @@ __device__ void attn(const T *q, int q_stride, const T *k_cache, const T *v_cach
 
 // grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits.
 template <typename T>
-__device__ void attn_combine(T *out, const float *part_acc, const float *part_ml, int heads,
+__device__ void attn_combine(float *out, const float *part_acc, const float *part_ml, int heads,
                              int hd, int n_splits) {
     const int h = blockIdx.x, tok = blockIdx.y, d = threadIdx.x;
     if (d >= hd) return;
@@ -203,25 +202,25 @@ __device__ void attn_combine(T *out, const float *part_acc, const float *part_ml
         L += part_ml[(base + s) * 2 + 1] * w;
         A += part_acc[(base + s) * hd + d] * w;
     }
-    out[(size_t)tok * heads * hd + h * hd + d] = from_f<T>(L > 0.0f ? A / L : 0.0f);
+    out[(size_t)tok * heads * hd + h * hd + d] = L > 0.0f ? A / L : 0.0f;
 }
 
 #define FERRUM_ATTN(S, T)                                                                          \
     extern "C" __global__ void ferrum_rope_qkv_##S(                                                \
-        T *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache, T *v_cache,            \
+        float *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache, T *v_cache,       \
         const float *inv_freq, const uint32_t *pos_base, int heads, int kv_heads, int hd,          \
         int capacity, float eps) {                                                                 \
         rope_qkv<T>(qkv, bias, q_norm, k_norm, k_cache, v_cache, inv_freq, pos_base, heads,        \
                     kv_heads, hd, capacity, eps);                                                  \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256) ferrum_attn_##S(                             \
-        const T *q, int q_stride, const T *k_cache, const T *v_cache, T *out, float *part_acc,     \
-        float *part_ml, const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,   \
-        float scale) {                                                                             \
+        const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
+        float *part_acc, float *part_ml, const uint32_t *pos_base, int heads, int kv_heads,        \
+        int hd, int capacity, float scale) {                                                       \
         attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads, kv_heads,  \
                 hd, capacity, scale);                                                              \
     }                                                                                              \
-    extern "C" __global__ void ferrum_attn_combine_##S(T *out, const float *part_acc,              \
+    extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \
                                                        int n_splits) {                             \
         attn_combine<T>(out, part_acc, part_ml, heads, hd, n_splits);                              \

@@ -1,24 +1,21 @@
-// Batch-1 projections: y[r] = sum_c W[r][c] * x[c], W row-major [rows][cols].
-// Each warp computes ROWS rows; lanes stream 16-byte chunks of the rows (8
-// values) and of x; fp32 accumulate; a fixed-order warp reduction.
+// Batch-1 projections: y[r] = sum_c W[r][c] * x[c], W row-major [rows][cols] in the model
+// dtype, x and y in fp32 (activations stay fp32 between the decode kernels; only weights and
+// the KV cache are 16-bit). Each warp computes GEMV_ROWS rows; lanes stream 16-byte chunks of
+// the rows (8 values) and the matching 32 bytes of x (two float4); fp32 accumulate; a
+// fixed-order warp reduction.
 // The `gateup` variant multiplies by the stacked [gate; up] weight and writes
-// silu(gate . x) * (up . x): SiLU-mul fused into the gate/up projection.
+// silu(gate . x) * (up . x) in fp32: SiLU-mul fused into the gate/up projection.
 #include "common.cuh"
 
 #define GEMV_ROWS 2  // the gate/up variant relies on exactly two rows per warp
 
-template <typename T> __device__ __forceinline__ float silu_mul_ref(float g, float u) {
-    // Round like the reference: gate and up are stored in the model dtype, silu(gate) too.
-    g = to_f(from_f<T>(g));
-    u = to_f(from_f<T>(u));
-    return to_f(from_f<T>(g / (1.0f + expf(-g)))) * u;
-}
+__device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // GATEUP = false: warp w computes rows 2w, 2w+1 of y = W x (`rows` rows).
 // GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes gate row w and up row
 // rows + w and writes y[w] = silu(gate . x) * (up . x) (SiLU-mul fused into the projection).
-template <typename T, typename O, bool GATEUP>
-__device__ void gemv(O *y, const T *W, const T *x, int rows, int cols) {
+template <typename T, bool GATEUP>
+__device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int wg = blockIdx.x * nw + warp;
     const int r0 = GATEUP ? wg : wg * GEMV_ROWS;
@@ -31,20 +28,21 @@ __device__ void gemv(O *y, const T *W, const T *x, int rows, int cols) {
 #pragma unroll
     for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
     if ((cols & 7) == 0) {
-        // 16-byte path: rows are 16-byte aligned because cols % 8 == 0 and
-        // buffers come from cuMemAlloc (256-byte aligned).
+        // 16-byte path: W's rows are 16-byte aligned and x is 32-byte aligned because
+        // cols % 8 == 0 and buffers come from cuMemAlloc (256-byte aligned), every region
+        // starting at a multiple of cols elements.
         const int n8 = cols >> 3;
-        const uint4 *x4 = reinterpret_cast<const uint4 *>(x);
+        const float4 *x4 = reinterpret_cast<const float4 *>(x);
         const uint4 *w4[GEMV_ROWS];
 #pragma unroll
         for (int r = 0; r < GEMV_ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
 #pragma unroll 4
         for (int c = lane; c < n8; c += 32) {
-            float xf[8];
-            unpack8(__ldg(x4 + c), xf, T());
             uint4 wv[GEMV_ROWS];
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = __ldg(w4[r] + c);
+            const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
+            const float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) {
                 float wf[8];
@@ -55,7 +53,7 @@ __device__ void gemv(O *y, const T *W, const T *x, int rows, int cols) {
         }
     } else {
         for (int c = lane; c < cols; c += 32) {
-            const float xv = to_f(x[c]);
+            const float xv = x[c];
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = fmaf(to_f(W[row_idx[r] * cols + c]), xv, acc[r]);
         }
@@ -64,42 +62,48 @@ __device__ void gemv(O *y, const T *W, const T *x, int rows, int cols) {
     for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = warp_sum(acc[r]);
     if (lane == 0) {
         if (GATEUP) {
-            y[r0] = from_f<O>(silu_mul_ref<T>(acc[0], acc[1]));
+            y[r0] = silu_mul_f(acc[0], acc[1]);
         } else {
 #pragma unroll
             for (int r = 0; r < GEMV_ROWS; ++r)
-                if (r0 + r < rows) y[r0 + r] = from_f<O>(acc[r]);
+                if (r0 + r < rows) y[r0 + r] = acc[r];
         }
-    }
-}
-
-// out[t][i] = silu(gu[t][i]) * gu[t][inter + i] (prefill path).
-template <typename T>
-__device__ void silu_mul(T *out, const T *gu, int inter, int n_tok) {
-    const size_t n = (size_t)inter * n_tok;
-    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
-         k += (size_t)gridDim.x * blockDim.x) {
-        const size_t t = k / inter, i = k % inter;
-        out[k] = from_f<T>(silu_mul_ref<T>(to_f(gu[t * 2 * inter + i]), to_f(gu[t * 2 * inter + inter + i])));
     }
 }
 
 #define FERRUM_GEMV(S, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv_##S(T *y, const T *W, const T *x, int rows, int cols) {                        \
-        gemv<T, T, false>(y, W, x, rows, cols);                                                    \
+        ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols) {                \
+        gemv<T, false>(y, W, x, rows, cols);                                                       \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv_f32out_##S(float *y, const T *W, const T *x, int rows, int cols) {             \
-        gemv<T, float, false>(y, W, x, rows, cols);                                                \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv_gateup_##S(T *y, const T *W, const T *x, int rows, int cols) {                 \
-        gemv<T, T, true>(y, W, x, rows, cols);                                                     \
-    }                                                                                              \
-    extern "C" __global__ void ferrum_silu_mul_##S(T *out, const T *gu, int inter, int n_tok) {    \
-        silu_mul<T>(out, gu, inter, n_tok);                                                        \
+        ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {         \
+        gemv<T, true>(y, W, x, rows, cols);                                                        \
     }
 
 FERRUM_GEMV(f16, f16)
 FERRUM_GEMV(bf16, bf16)
+
+// out[t][i] = silu(gu[t][i]) * gu[t][inter + i], all fp32 (prefill and the cuBLAS path).
+extern "C" __global__ void ferrum_silu_mul(float *out, const float *gu, int inter, int n_tok) {
+    const size_t n = (size_t)inter * n_tok;
+    for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (size_t)gridDim.x * blockDim.x) {
+        const size_t t = k / inter, i = k % inter;
+        out[k] = silu_mul_f(gu[t * 2 * inter + i], gu[t * 2 * inter + inter + i]);
+    }
+}
+
+// out[k] = x[k] rounded to the model dtype, k < n: the 16-bit input of a cuBLAS GEMM
+// (tensor cores need f16/bf16 operands; the activations themselves stay fp32).
+template <typename T> __device__ void to_dtype(T *out, const float *x, unsigned long long n) {
+    for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (unsigned long long)gridDim.x * blockDim.x)
+        out[k] = from_f<T>(x[k]);
+}
+extern "C" __global__ void ferrum_to_dtype_f16(f16 *out, const float *x, unsigned long long n) {
+    to_dtype<f16>(out, x, n);
+}
+extern "C" __global__ void ferrum_to_dtype_bf16(bf16 *out, const float *x, unsigned long long n) {
+    to_dtype<bf16>(out, x, n);
+}

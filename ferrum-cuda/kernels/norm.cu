@@ -1,5 +1,6 @@
 // Embedding gather, RMSNorm and the fused residual-add + RMSNorm.
-// The residual stream `x` is kept in fp32; normalised outputs are in the model dtype.
+// The residual stream `x`, the normalised outputs `y` and the deltas are fp32 (only the
+// weights are in the model dtype).
 #include "common.cuh"
 
 // x[row][:] = table[tokens[row]][:] (as fp32). One block per row.
@@ -19,7 +20,7 @@ __device__ void embed(float *x, const T *table, const uint32_t *tokens, int voca
 
 // y[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w. One block per row.
 template <typename T>
-__device__ void rmsnorm(T *y, const float *x, const T *w, int hidden, float eps) {
+__device__ void rmsnorm(float *y, const float *x, const T *w, int hidden, float eps) {
     __shared__ float sh[32];
     const size_t base = (size_t)blockIdx.x * hidden;
     float ss = 0.0f;
@@ -30,24 +31,25 @@ __device__ void rmsnorm(T *y, const float *x, const T *w, int hidden, float eps)
     ss = block_sum(ss, sh);
     const float r = rsqrtf(ss / (float)hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        y[base + i] = from_f<T>(x[base + i] * r * to_f(w[i]));
+        y[base + i] = x[base + i] * r * to_f(w[i]);
 }
 
 // x[row] += delta[row]; y[row] = rmsnorm(x[row]) * w. One block per row.
 template <typename T>
-__device__ void add_rmsnorm(float *x, const T *delta, T *y, const T *w, int hidden, float eps) {
+__device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w, int hidden,
+                            float eps) {
     __shared__ float sh[32];
     const size_t base = (size_t)blockIdx.x * hidden;
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = x[base + i] + to_f(delta[base + i]);
+        const float v = x[base + i] + delta[base + i];
         x[base + i] = v;
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float r = rsqrtf(ss / (float)hidden + eps);
     for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        y[base + i] = from_f<T>(x[base + i] * r * to_f(w[i]));
+        y[base + i] = x[base + i] * r * to_f(w[i]);
 }
 
 #define FERRUM_NORM(S, T)                                                                          \
@@ -55,12 +57,12 @@ __device__ void add_rmsnorm(float *x, const T *delta, T *y, const T *w, int hidd
                                                 int vocab, int hidden) {                           \
         embed<T>(x, table, tokens, vocab, hidden);                                                 \
     }                                                                                              \
-    extern "C" __global__ void ferrum_rmsnorm_##S(T *y, const float *x, const T *w, int hidden,    \
-                                                  float eps) {                                     \
+    extern "C" __global__ void ferrum_rmsnorm_##S(float *y, const float *x, const T *w,            \
+                                                  int hidden, float eps) {                         \
         rmsnorm<T>(y, x, w, hidden, eps);                                                          \
     }                                                                                              \
-    extern "C" __global__ void ferrum_add_rmsnorm_##S(float *x, const T *delta, T *y, const T *w,  \
-                                                      int hidden, float eps) {                     \
+    extern "C" __global__ void ferrum_add_rmsnorm_##S(float *x, const float *delta, float *y,      \
+                                                      const T *w, int hidden, float eps) {         \
         add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
     }
 

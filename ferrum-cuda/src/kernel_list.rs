@@ -39,33 +39,32 @@ kernels! {
     /// Embedding gather into the fp32 residual stream.
     EmbedF16 => "ferrum_embed_f16" in "norm",
     EmbedBf16 => "ferrum_embed_bf16" in "norm",
-    /// RMSNorm of the fp32 residual stream.
+    /// RMSNorm of the fp32 residual stream (fp32 output).
     RmsNormF16 => "ferrum_rmsnorm_f16" in "norm",
     RmsNormBf16 => "ferrum_rmsnorm_bf16" in "norm",
-    /// Residual add fused with RMSNorm.
+    /// Residual add (fp32 delta) fused with RMSNorm (fp32 output).
     AddRmsNormF16 => "ferrum_add_rmsnorm_f16" in "norm",
     AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16" in "norm",
-    /// Bias + q/k norm + RoPE + K/V cache append.
+    /// Bias + q/k norm + RoPE on fp32 q|k|v + K/V cache append (model dtype).
     RopeQkvF16 => "ferrum_rope_qkv_f16" in "attention",
     RopeQkvBf16 => "ferrum_rope_qkv_bf16" in "attention",
-    /// GQA attention over the cache (split-KV).
+    /// GQA attention of fp32 queries over the cache (split-KV), fp32 output.
     AttnF16 => "ferrum_attn_f16" in "attention",
     AttnBf16 => "ferrum_attn_bf16" in "attention",
     /// Combine of the split-KV partials.
     AttnCombineF16 => "ferrum_attn_combine_f16" in "attention",
     AttnCombineBf16 => "ferrum_attn_combine_bf16" in "attention",
-    /// Batch-1 projection.
+    /// Batch-1 projection: model-dtype weights, fp32 input and output.
     GemvF16 => "ferrum_gemv_f16" in "gemv",
     GemvBf16 => "ferrum_gemv_bf16" in "gemv",
-    /// Batch-1 projection with fp32 output (LM head).
-    GemvF32OutF16 => "ferrum_gemv_f32out_f16" in "gemv",
-    GemvF32OutBf16 => "ferrum_gemv_f32out_bf16" in "gemv",
-    /// Batch-1 gate|up projection with SiLU·mul fused on its output.
+    /// Batch-1 gate|up projection with SiLU·mul fused on its output (fp32).
     GemvGateUpF16 => "ferrum_gemv_gateup_f16" in "gemv",
     GemvGateUpBf16 => "ferrum_gemv_gateup_bf16" in "gemv",
-    /// SiLU·mul (prefill path).
-    SiluMulF16 => "ferrum_silu_mul_f16" in "gemv",
-    SiluMulBf16 => "ferrum_silu_mul_bf16" in "gemv",
+    /// SiLU·mul in fp32 (prefill and cuBLAS path).
+    SiluMul => "ferrum_silu_mul" in "gemv",
+    /// fp32 activations to the model dtype (the input of a cuBLAS GEMM).
+    ToDtypeF16 => "ferrum_to_dtype_f16" in "gemv",
+    ToDtypeBf16 => "ferrum_to_dtype_bf16" in "gemv",
     /// Argmax, pass 1 (per-block partials).
     ArgmaxPartial => "ferrum_argmax_partial" in "misc",
     /// Argmax, pass 2 (final).

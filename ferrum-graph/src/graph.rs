@@ -229,6 +229,11 @@ fn inspect(graph: cu::CUgraph) -> Result<Summary> {
     let mut n: usize = 0;
     // SAFETY: `graph` is a live graph; a null node array asks for the count only.
     check("cuGraphGetNodes", unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
+    if n == 0 {
+        // An empty capture: nothing to inspect (the driver rejects a second call with an empty
+        // array, so don't make one).
+        return Ok(Summary::default());
+    }
     let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
     let mut got = n;
     // SAFETY: `nodes` has room for `got` handles.

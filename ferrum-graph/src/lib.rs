@@ -23,7 +23,10 @@
 //! 2. captures in [`CaptureMode::ThreadLocal`] mode (or the mode you choose), in which CUDA itself
 //!    fails synchronous copies, synchronisations and other "unsafe" calls made by the capturing
 //!    thread with `CUDA_ERROR_STREAM_CAPTURE_*`, invalidating the capture → reported as
-//!    [`GraphError::CaptureInvalidated`] whether or not the closure propagated the error;
+//!    [`GraphError::CaptureInvalidated`] whether or not the closure propagated the error
+//!    (a synchronous `cuMemcpyHtoD` on the legacy stream is *not* refused: it does not order
+//!    with non-blocking streams, so it runs eagerly and never enters the graph — seen on an
+//!    H200 with driver 580);
 //! 3. inspects every node of the finished graph and refuses copies with a host end (including
 //!    asynchronous copies from pinned memory, which CUDA would accept), host callbacks, and
 //!    stream-ordered allocations/frees ([`GraphError::Forbidden`]);

@@ -166,10 +166,10 @@ impl Kernels {
         Ok(())
     }
 
-    /// `y[r] = rmsnorm(x[r]) * w` for `rows` rows of `hidden`.
+    /// `y[r] = rmsnorm(x[r]) * w` for `rows` rows of `hidden` (x, y fp32; w in the dtype).
     pub(crate) fn rmsnorm(
         &self,
-        y: Region<'_, u16>,
+        y: Region<'_, f32>,
         x: Region<'_, f32>,
         w: Region<'_, u16>,
         rows: usize,
@@ -184,18 +184,18 @@ impl Kernels {
         b.arg(&py).arg(&px).arg(&pw).arg(&h).arg(&eps);
         // SAFETY: one block per row reads x and writes y at [r*hidden, (r+1)*hidden) for
         // r < rows, and reads w[0 .. hidden): extents checked above; signature
-        // (T*, const f32*, const T*, int, float) matches.
+        // (f32*, const f32*, const T*, int, float) matches.
         unsafe { b.launch(cfg((grid1(rows)?, 1, 1), norm_block(hidden))) }.map_err(Error::driver("rmsnorm"))?;
         Ok(())
     }
 
-    /// `x[r] += delta[r]; y[r] = rmsnorm(x[r]) * w`.
+    /// `x[r] += delta[r]; y[r] = rmsnorm(x[r]) * w` (x, delta, y fp32; w in the dtype).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn add_rmsnorm(
         &self,
         x: Region<'_, f32>,
-        delta: Region<'_, u16>,
-        y: Region<'_, u16>,
+        delta: Region<'_, f32>,
+        y: Region<'_, f32>,
         w: Region<'_, u16>,
         rows: usize,
         hidden: usize,
@@ -209,17 +209,18 @@ impl Kernels {
         let mut b = self.builder(pick(self.dtype, Kernel::AddRmsNormF16, Kernel::AddRmsNormBf16));
         b.arg(&px).arg(&pd).arg(&py).arg(&pw).arg(&h).arg(&eps);
         // SAFETY: as for rmsnorm, plus delta read over the same rows*hidden extent; all checked
-        // above; signature (f32*, const T*, T*, const T*, int, float) matches.
+        // above; signature (f32*, const f32*, f32*, const T*, int, float) matches.
         unsafe { b.launch(cfg((grid1(rows)?, 1, 1), norm_block(hidden))) }.map_err(Error::driver("add_rmsnorm"))?;
         Ok(())
     }
 
-    /// Bias, q/k norm, RoPE on the q|k|v rows (q in place) and the K/V append to one layer's
-    /// cache (`[kv_heads][capacity][head_dim]`) at positions `pos[0] + t`.
+    /// Bias, q/k norm, RoPE on the fp32 q|k|v rows (q in place, fp32) and the K/V append to
+    /// one layer's cache (`[kv_heads][capacity][head_dim]`, in the dtype) at positions
+    /// `pos[0] + t`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rope_qkv(
         &self,
-        qkv: Region<'_, u16>,
+        qkv: Region<'_, f32>,
         bias: Region<'_, u16>,
         q_norm: Region<'_, u16>,
         k_norm: Region<'_, u16>,
@@ -253,10 +254,12 @@ impl Kernels {
         let mut b = self.builder(pick(self.dtype, Kernel::RopeQkvF16, Kernel::RopeQkvBf16));
         b.arg(&p_qkv).arg(&p_bias).arg(&p_qn).arg(&p_kn).arg(&p_kc).arg(&p_vc).arg(&p_f).arg(&p_pos);
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&eps);
-        // SAFETY: blocks (head, t) touch qkv[t*row + head*hd .. +hd) for t < n_tok, bias over
-        // one row (when non-null), the norms over head_dim, inv_freq over head_dim/2, pos[0];
-        // cache writes land at [kvh][pos][0..hd) only when pos < capacity (the kernel checks,
-        // and the caller validated positions). Extents checked above.
+        // SAFETY: blocks (head, t) touch the f32 qkv[t*row + head*hd .. +hd) for t < n_tok, bias
+        // over one row (when non-null), the norms over head_dim, inv_freq over head_dim/2,
+        // pos[0]; cache writes land at [kvh][pos][0..hd) only when pos < capacity (the kernel
+        // checks, and the caller validated positions). Extents checked above; signature
+        // (f32*, const T*, const T*, const T*, T*, T*, const f32*, const u32*, int x4, float)
+        // matches.
         unsafe { b.launch(cfg(((heads + 2 * kv_heads) as u32, grid1(n_tok)?, 1), block)) }
             .map_err(Error::driver("rope_qkv"))?;
         Ok(())
@@ -267,11 +270,11 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
-        q: Region<'_, u16>,
+        q: Region<'_, f32>,
         q_stride: usize,
         k_cache: Region<'_, u16>,
         v_cache: Region<'_, u16>,
-        out: Region<'_, u16>,
+        out: Region<'_, f32>,
         part_acc: Region<'_, f32>,
         part_ml: Region<'_, f32>,
         pos: Region<'_, u32>,
@@ -317,10 +320,12 @@ impl Kernels {
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&ppos);
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
-        // SAFETY: block (h, s, t) reads q[t*q_stride + h*hd .. +hd) and cache rows
+        // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
-        // either out[t][h*hd .. +hd) (one split) or partials at ((t*heads + h)*n_splits + s);
-        // all extents checked above; the unused outputs are null and never touched.
+        // either the f32 out[t][h*hd .. +hd) (one split) or partials at
+        // ((t*heads + h)*n_splits + s); all extents checked above; the unused outputs are null
+        // and never touched; signature (const f32*, int, const T*, const T*, f32*, f32*, f32*,
+        // const u32*, int x4, float) matches.
         unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
@@ -329,7 +334,7 @@ impl Kernels {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn_combine(
         &self,
-        out: Region<'_, u16>,
+        out: Region<'_, f32>,
         part_acc: Region<'_, f32>,
         part_ml: Region<'_, f32>,
         n_tok: usize,
@@ -345,51 +350,45 @@ impl Kernels {
         b.arg(&po).arg(&pa).arg(&pm).arg(&h).arg(&hd).arg(&ns);
         let block = head_dim.div_ceil(32) as u32 * 32;
         // SAFETY: block (h, t) thread d < hd reads partials ((t*heads + h)*n_splits + s) for
-        // s < n_splits and writes out[t][h*hd + d]; extents checked above.
+        // s < n_splits and writes the f32 out[t][h*hd + d]; extents checked above.
         unsafe { b.launch(cfg((heads as u32, grid1(n_tok)?, 1), block)) }.map_err(Error::driver("attn_combine"))?;
         Ok(())
     }
 
-    /// `y = W x` (batch 1) with ferrum's GEMV: `y` has `rows` elements, or, with `f32_out`,
-    /// the fp32 `y32` has them instead.
-    #[allow(clippy::too_many_arguments)]
+    /// `y = W x` (batch 1) with ferrum's GEMV: W (`rows x cols`) in the dtype, x and y fp32.
     pub(crate) fn gemv(
         &self,
-        y: Region<'_, u16>,
-        y32: Region<'_, f32>,
+        y: Region<'_, f32>,
         w: Region<'_, u16>,
-        x: Region<'_, u16>,
+        x: Region<'_, f32>,
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        let f32_out = y32.ptr != 0;
-        let py = if f32_out { y32.need(rows, "gemv y32")? } else { y.need(rows, "gemv y")? };
+        let py = y.need(rows, "gemv y")?;
         let pw = w.need(rows * cols, "gemv W")?;
         let px = x.need(cols, "gemv x")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        let k = if f32_out {
-            pick(self.dtype, Kernel::GemvF32OutF16, Kernel::GemvF32OutBf16)
-        } else {
-            pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16)
-        };
-        let mut b = self.builder(k);
+        let mut b = self.builder(pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16));
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
         let grid = grid1(rows.div_ceil(GEMV_ROWS_PER_BLOCK))?;
-        // SAFETY: each warp reads rows r0, r0+1 of W (clamped to rows-1) over cols and x over
-        // cols, and writes y[r] for r < rows only; extents checked above. The 16-byte path runs
-        // only when cols % 8 == 0; then W's rows and x are 16-byte aligned, because
-        // allocations are 256-byte aligned and every region passed here starts at a whole
-        // matrix or at an activation row, i.e. at a multiple of cols elements.
+        // SAFETY: each warp reads rows r0, r0+1 of W (clamped to rows-1) over cols and the f32
+        // x over cols, and writes the f32 y[r] for r < rows only; extents checked above;
+        // signature (f32*, const T*, const f32*, int, int) matches. The vector path runs only
+        // when cols % 8 == 0; then W's rows are 16-byte aligned and x is 32-byte aligned (it is
+        // read as float4 pairs), because allocations are 256-byte aligned and every region
+        // passed here starts at a whole matrix or at an activation row, i.e. at a multiple of
+        // cols elements.
         unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
 
-    /// `h[i] = silu(gate[i] . x) * (up[i] . x)` for `i < inter`, W = [gate; up] (`2*inter` rows).
+    /// `h[i] = silu(gate[i] . x) * (up[i] . x)` for `i < inter`, W = [gate; up] (`2*inter` rows,
+    /// in the dtype); x and h fp32.
     pub(crate) fn gemv_gateup(
         &self,
-        h: Region<'_, u16>,
+        h: Region<'_, f32>,
         w: Region<'_, u16>,
-        x: Region<'_, u16>,
+        x: Region<'_, f32>,
         inter: usize,
         cols: usize,
     ) -> Result<()> {
@@ -400,24 +399,40 @@ impl Kernels {
         let mut b = self.builder(pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16));
         b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c);
         let grid = grid1(inter.div_ceil(GEMV_BLOCK as usize / 32))?;
-        // SAFETY: warp i < inter reads W rows i and inter + i over cols (both < 2*inter) and x
-        // over cols, and writes h[i]; warps with i >= inter return at once; extents checked
-        // above; alignment as for `gemv`.
+        // SAFETY: warp i < inter reads W rows i and inter + i over cols (both < 2*inter) and the
+        // f32 x over cols, and writes the f32 h[i]; warps with i >= inter return at once;
+        // extents checked above; signature (f32*, const T*, const f32*, int, int) matches;
+        // alignment as for `gemv`.
         unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
 
-    /// `out[t][i] = silu(gu[t][i]) * gu[t][inter + i]`.
-    pub(crate) fn silu_mul(&self, out: Region<'_, u16>, gu: Region<'_, u16>, inter: usize, n_tok: usize) -> Result<()> {
+    /// `out[t][i] = silu(gu[t][i]) * gu[t][inter + i]`, all fp32.
+    pub(crate) fn silu_mul(&self, out: Region<'_, f32>, gu: Region<'_, f32>, inter: usize, n_tok: usize) -> Result<()> {
         let po = out.need(n_tok * inter, "silu out")?;
         let pg = gu.need(n_tok * 2 * inter, "silu gu")?;
         let (i, n) = (i32_of(inter, "inter")?, i32_of(n_tok, "n_tok")?);
-        let mut b = self.builder(pick(self.dtype, Kernel::SiluMulF16, Kernel::SiluMulBf16));
+        let mut b = self.builder(Kernel::SiluMul);
         b.arg(&po).arg(&pg).arg(&i).arg(&n);
         let grid = grid1((n_tok * inter).div_ceil(256).min(65535))?;
         // SAFETY: grid-stride over k < n_tok*inter: writes out[k], reads gu[t*2*inter + i] and
-        // gu[t*2*inter + inter + i] with t < n_tok, i < inter; extents checked above.
+        // gu[t*2*inter + inter + i] with t < n_tok, i < inter (all f32); extents checked above;
+        // signature (f32*, const f32*, int, int) matches.
         unsafe { b.launch(cfg((grid, 1, 1), 256)) }.map_err(Error::driver("silu_mul"))?;
+        Ok(())
+    }
+
+    /// `out[k] = x[k]` rounded to the dtype for `k < n` (the 16-bit input of a cuBLAS GEMM).
+    pub(crate) fn to_dtype(&self, out: Region<'_, u16>, x: Region<'_, f32>, n: usize) -> Result<()> {
+        let po = out.need(n, "to_dtype out")?;
+        let px = x.need(n, "to_dtype x")?;
+        let nn = n as u64;
+        let mut b = self.builder(pick(self.dtype, Kernel::ToDtypeF16, Kernel::ToDtypeBf16));
+        b.arg(&po).arg(&px).arg(&nn);
+        let grid = grid1(n.div_ceil(256).min(65535))?;
+        // SAFETY: grid-stride over k < n: reads the f32 x[k], writes out[k]; both extents
+        // checked above; signature (T*, const f32*, unsigned long long) matches.
+        unsafe { b.launch(cfg((grid, 1, 1), 256)) }.map_err(Error::driver("to_dtype"))?;
         Ok(())
     }
 
@@ -460,21 +475,18 @@ impl Kernels {
         Ok(())
     }
 
-    /// `Y[n][rows] = X[n][cols] · W[rows][cols]^T` through cuBLAS (fp32 compute); `y32` set:
-    /// fp32 output there instead of `y`.
-    #[allow(clippy::too_many_arguments)]
+    /// `Y[n][rows] = X[n][cols] · W[rows][cols]^T` through cuBLAS (fp32 compute): W and X in
+    /// the dtype, Y in fp32.
     pub(crate) fn gemm(
         &self,
-        y: Region<'_, u16>,
-        y32: Region<'_, f32>,
+        y: Region<'_, f32>,
         w: Region<'_, u16>,
         x: Region<'_, u16>,
         rows: usize,
         cols: usize,
         n: usize,
     ) -> Result<()> {
-        let f32_out = y32.ptr != 0;
-        let py = if f32_out { y32.need(n * rows, "gemm y32")? } else { y.need(n * rows, "gemm y")? };
+        let py = y.need(n * rows, "gemm y")?;
         let pw = w.need(rows * cols, "gemm W")?;
         let px = x.need(n * cols, "gemm X")?;
         let (m, nn, k) = (i32_of(rows, "rows")?, i32_of(n, "n")?, i32_of(cols, "cols")?);
@@ -482,13 +494,14 @@ impl Kernels {
             DType::F16 => blas_sys::cudaDataType::CUDA_R_16F,
             DType::BF16 => blas_sys::cudaDataType::CUDA_R_16BF,
         };
-        let ct = if f32_out { blas_sys::cudaDataType::CUDA_R_32F } else { ab };
+        let ct = blas_sys::cudaDataType::CUDA_R_32F;
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: column-major view: A = W as [cols x rows] (lda = cols, transposed), B = X as
         // [cols x n] (ldb = cols), C = Y as [rows x n] (ldc = rows). cuBLAS reads rows*cols
-        // elements of W, n*cols of X and writes n*rows of Y, each checked above; alpha/beta
-        // are host f32 scalars matching CUBLAS_COMPUTE_32F (the handle's default host pointer
-        // mode) and outlive the call; the handle is bound to this runner's stream.
+        // 16-bit elements of W, n*cols of X and writes n*rows f32 elements of Y (C type
+        // CUDA_R_32F), each extent checked above; alpha/beta are host f32 scalars matching
+        // CUBLAS_COMPUTE_32F (the handle's default host pointer mode) and outlive the call; the
+        // handle is bound to this runner's stream.
         unsafe {
             blas_result::gemm_ex(
                 *self.blas.handle(),

@@ -108,18 +108,18 @@ fn alloc<T: DeviceRepr + ValidAsZeroBits>(
 
 /// Where the TP layer sums a per-layer partial result over ranks.
 pub struct ReduceBuf<'a> {
-    /// The buffer (f16 or bf16 bit patterns, per `dtype`), reduced in place.
-    pub data: &'a mut CudaSlice<u16>,
+    /// The buffer, reduced in place. Always fp32, whatever the model dtype: activations stay
+    /// fp32 between kernels (only weights and the KV cache are 16-bit).
+    pub data: &'a mut CudaSlice<f32>,
     /// Elements to reduce (from the start of `data`).
     pub len: usize,
-    pub dtype: DType,
     /// The runner's stream: enqueue the reduction on it (or order against it).
     pub stream: &'a Arc<CudaStream>,
 }
 
 impl std::fmt::Debug for ReduceBuf<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReduceBuf").field("len", &self.len).field("dtype", &self.dtype).finish()
+        f.debug_struct("ReduceBuf").field("len", &self.len).finish()
     }
 }
 
@@ -185,17 +185,21 @@ struct Weights {
     lm_head: Option<CudaSlice<u16>>,
 }
 
-/// Activation buffers for up to `cap` tokens per pass (allocated once).
+/// Activation buffers for up to `cap` tokens per pass (allocated once). Every activation is
+/// fp32 (x the residual stream, y the normed input of the projections, ...); `xh` holds the
+/// model-dtype copy of a projection input that a cuBLAS GEMM needs (prefill, or
+/// [`Projection::Cublas`]).
 #[derive(Debug)]
 struct Acts {
     cap: usize,
     x: CudaSlice<f32>,
-    y: CudaSlice<u16>,
-    qkv: CudaSlice<u16>,
-    attn: CudaSlice<u16>,
-    o: CudaSlice<u16>,
-    gu: CudaSlice<u16>,
-    h: CudaSlice<u16>,
+    y: CudaSlice<f32>,
+    qkv: CudaSlice<f32>,
+    attn: CudaSlice<f32>,
+    o: CudaSlice<f32>,
+    gu: CudaSlice<f32>,
+    h: CudaSlice<f32>,
+    xh: CudaSlice<u16>,
     /// `[tokens (cap) | start position]`: the step parameters kernels read.
     step: CudaSlice<u32>,
     part_acc: CudaSlice<f32>,
@@ -210,16 +214,18 @@ impl Acts {
         cap: usize,
         splits: usize,
     ) -> Result<Self> {
-        let a = |n: usize, w: &str| alloc::<u16>(ctx, stream, n, w);
+        let a = |n: usize, w: &str| alloc::<f32>(ctx, stream, n, w);
+        let widest_input = s.hidden.max(s.q_dim()).max(s.intermediate);
         Ok(Acts {
             cap,
-            x: alloc::<f32>(ctx, stream, cap * s.hidden, "activations (residual)")?,
+            x: a(cap * s.hidden, "activations (residual)")?,
             y: a(cap * s.hidden, "activations (normed)")?,
             qkv: a(cap * s.qkv_dim(), "activations (qkv)")?,
             attn: a(cap * s.q_dim(), "activations (attention)")?,
             o: a(cap * s.hidden, "activations (projection out)")?,
             gu: a(cap * 2 * s.intermediate, "activations (gate|up)")?,
             h: a(cap * s.intermediate, "activations (mlp)")?,
+            xh: alloc::<u16>(ctx, stream, cap * widest_input, "activations (GEMM input)")?,
             step: alloc::<u32>(ctx, stream, cap + 1, "step parameters")?,
             part_acc: alloc::<f32>(ctx, stream, s.heads * splits * s.head_dim, "attention partials")?,
             part_ml: alloc::<f32>(ctx, stream, s.heads * splits * 2, "attention partials")?,
@@ -713,14 +719,25 @@ impl CudaDecodeRunner {
 
     /// Times one `rows x cols` batch-1 projection (random data, `iters` runs after 5 warm-ups,
     /// median by CUDA events) through ferrum's GEMV and through cuBLAS; returns
-    /// `(gemv_seconds, cublas_seconds)`. A helper for choosing [`Projection`] per shape.
+    /// `(gemv_seconds, cublas_seconds)`. A helper for choosing [`Projection`] per shape. As in
+    /// the decode step, x and y are fp32; the cuBLAS time includes rounding x to the dtype.
     pub fn time_projection(&self, rows: usize, cols: usize, iters: usize) -> Result<(f64, f64)> {
         let st = &self.k.stream;
         let w = alloc::<u16>(&self.ctx, st, rows * cols, "projection timing (W)")?;
-        let x = alloc::<u16>(&self.ctx, st, cols, "projection timing (x)")?;
-        let y = alloc::<u16>(&self.ctx, st, rows, "projection timing (y)")?;
+        let xh = alloc::<u16>(&self.ctx, st, cols, "projection timing (x)")?;
+        let mut x = alloc::<f32>(&self.ctx, st, cols, "projection timing (x)")?;
+        let y = alloc::<f32>(&self.ctx, st, rows, "projection timing (y)")?;
         self.k.init_uniform(whole(&w, st)?, 1, 0.0, MATRIX_HALF_WIDTH)?;
-        self.k.init_uniform(whole(&x, st)?, 2, 0.0, 1.0)?;
+        let mut r = 0x2545_f491_4f6c_dd1du64;
+        let xs: Vec<f32> = (0..cols)
+            .map(|_| {
+                r ^= r << 13;
+                r ^= r >> 7;
+                r ^= r << 17;
+                (r >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect();
+        st.memcpy_htod(&xs, &mut x).map_err(Error::driver("uploading the projection input"))?;
         let ev =
             || self.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver("creating an event"));
         let (e0, e1) = (ev()?, ev()?);
@@ -729,7 +746,7 @@ impl CudaDecodeRunner {
             let mut times = Vec::with_capacity(iters.max(1));
             for it in 0..iters.max(1) + 5 {
                 e0.record(st).map_err(Error::driver("event record"))?;
-                project(&self.k, p, whole(&y, st)?, whole(&w, st)?, whole(&x, st)?, rows, cols, 1)?;
+                project(&self.k, p, whole(&y, st)?, whole(&w, st)?, whole(&x, st)?, whole(&xh, st)?, rows, cols, 1)?;
                 e1.record(st).map_err(Error::driver("event record"))?;
                 e1.synchronize().map_err(Error::driver("event sync"))?;
                 if it >= 5 {
@@ -759,22 +776,26 @@ impl CudaDecodeRunner {
     }
 }
 
-/// y = W x for `n` rows of x: GEMV at batch 1 (unless cuBLAS is chosen), else cuBLAS GEMM.
+/// y = W x for `n` rows of x (x and y fp32, W in the dtype): GEMV at batch 1 (unless cuBLAS
+/// is chosen), else x is rounded to the dtype into `xh` (cuBLAS's tensor-core GEMM needs
+/// 16-bit inputs) and multiplied by a cuBLAS GEMM with fp32 output.
 #[allow(clippy::too_many_arguments)]
 fn project(
     k: &Kernels,
     p: Projection,
-    y: Region<'_, u16>,
+    y: Region<'_, f32>,
     w: Region<'_, u16>,
-    x: Region<'_, u16>,
+    x: Region<'_, f32>,
+    xh: Region<'_, u16>,
     rows: usize,
     cols: usize,
     n: usize,
 ) -> Result<()> {
     if n == 1 && p == Projection::Gemv {
-        k.gemv(y, Region::null(), w, x, rows, cols)
+        k.gemv(y, w, x, rows, cols)
     } else {
-        k.gemm(y, Region::null(), w, x, rows, cols, n)
+        k.to_dtype(xh, x, n * cols)?;
+        k.gemm(y, w, xh, rows, cols, n)
     }
 }
 
@@ -786,7 +807,9 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
 }
 
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
-/// Leaves the last row's logits in `logits`.
+/// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
+/// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
+/// GEMM inputs (`project`).
 #[allow(clippy::too_many_arguments)]
 fn forward(
     k: &Kernels,
@@ -819,6 +842,7 @@ fn forward(
             region(&a.qkv, st, 0, n * qkv_dim)?,
             whole(&lw.wqkv, st)?,
             region(&a.y, st, 0, n * h)?,
+            region(&a.xh, st, 0, n * h)?,
             qkv_dim,
             h,
             n,
@@ -875,11 +899,12 @@ fn forward(
             region(&a.o, st, 0, n * h)?,
             whole(&lw.wo, st)?,
             region(&a.attn, st, 0, n * q_dim)?,
+            region(&a.xh, st, 0, n * q_dim)?,
             h,
             q_dim,
             n,
         )?;
-        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, dtype: k.dtype, stream: st })?;
+        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, stream: st })?;
         k.add_rmsnorm(
             region(&a.x, st, 0, n * h)?,
             region(&a.o, st, 0, n * h)?,
@@ -898,6 +923,7 @@ fn forward(
                 region(&a.gu, st, 0, n * 2 * inter)?,
                 whole(&lw.wgu, st)?,
                 region(&a.y, st, 0, n * h)?,
+                region(&a.xh, st, 0, n * h)?,
                 2 * inter,
                 h,
                 n,
@@ -910,11 +936,12 @@ fn forward(
             region(&a.o, st, 0, n * h)?,
             whole(&lw.wdown, st)?,
             region(&a.h, st, 0, n * inter)?,
+            region(&a.xh, st, 0, n * inter)?,
             h,
             inter,
             n,
         )?;
-        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, dtype: k.dtype, stream: st })?;
+        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, stream: st })?;
         let next_norm = match w.layers.get(li + 1) {
             Some(next) => &next.attn_norm,
             None => &w.final_norm,
@@ -931,9 +958,5 @@ fn forward(
     }
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     let last = region(&a.y, st, (n - 1) * h, h)?;
-    if p == Projection::Gemv {
-        k.gemv(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h)
-    } else {
-        k.gemm(Region::null(), whole(logits, st)?, whole(head, st)?, last, s.vocab, h, 1)
-    }
+    project(k, p, whole(logits, st)?, whole(head, st)?, last, region(&a.xh, st, 0, h)?, s.vocab, h, 1)
 }
