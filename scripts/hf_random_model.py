@@ -121,6 +121,24 @@ def randomize(model, seed: int) -> dict:
     return counts
 
 
+def save_tiny_tokenizer(out: Path) -> None:
+    """A byte-level BPE with exactly VOCAB tokens, trained on a few sentences (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello ferrum!",
+            "Once upon a time there was a small model with random weights."] * 50
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(text, trainer)
+    assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
+    tok.save(str(out / "tokenizer.json"))
+    with open(out / "tokenizer_config.json", "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "add_bos_token": False}, f)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", required=True, choices=sorted(ROPE_THETA))
@@ -132,6 +150,9 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (where the reference runs)")
+    ap.add_argument("--with-tokenizer", action="store_true",
+                    help="also train a tiny byte-level BPE (tokenizer.json, vocab = the model's) so that "
+                         "`ferrum generate --model DIR` can run on the folder")
     args = ap.parse_args()
 
     import numpy as np
@@ -152,6 +173,8 @@ def main() -> int:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(dtype=dtype).save_pretrained(args.out, safe_serialization=True)
+    if args.with_tokenizer:
+        save_tiny_tokenizer(args.out)
     del model
 
     # The reference runs on the checkpoint as HF loads it (from_pretrained keeps the RoPE

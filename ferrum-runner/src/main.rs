@@ -106,7 +106,18 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let context = s.context_len();
+    // Models may have more rows than the tokenizer has tokens (padded vocabularies): such ids
+    // have no text, so they are generated but print nothing (as HF's decode skips them).
+    let tokenizer_vocab = s.tokenizer.vocab_size();
+    let mut warned = false;
     let stats = generate(s.backend.as_mut(), &ids, context, &opts, &mut |tok| {
+        if tok as usize >= tokenizer_vocab {
+            if !warned {
+                eprintln!("note: token {tok} is past the tokenizer's {tokenizer_vocab} tokens; it has no text");
+                warned = true;
+            }
+            return Ok(());
+        }
         if let Some(text) = stream.step(tok)? {
             // A closed stdout (e.g. `| head`) ends the generation quietly.
             let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
