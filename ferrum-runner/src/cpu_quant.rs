@@ -87,7 +87,7 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [BlockQ8_1]) -> Result<()> {
 pub enum Kernel {
     /// Portable Rust.
     Scalar,
-    /// AVX2 + FMA + F16C (x86-64 only; only ever constructed when the CPU has them).
+    /// AVX2 + FMA + F16C (x86-64 only).
     Avx2,
 }
 
@@ -96,11 +96,24 @@ impl Kernel {
     pub fn detect() -> Self {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if Kernel::Avx2.supported() {
                 return Kernel::Avx2;
             }
         }
         Kernel::Scalar
+    }
+
+    /// Whether this CPU can run `self`.
+    pub fn supported(self) -> bool {
+        match self {
+            Kernel::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => {
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
     }
 }
 
@@ -207,13 +220,8 @@ impl Q41Matrix {
                 out.len()
             )));
         }
-        #[cfg(target_arch = "x86_64")]
-        if kernel == Kernel::Avx2
-            && !(is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c"))
-        {
-            return Err(Error::Unavailable("the AVX2 Q4_1 kernel", "this CPU lacks AVX2/FMA/F16C".into()));
+        if !kernel.supported() {
+            return Err(Error::Unavailable("this Q4_1 kernel", format!("this CPU cannot run {kernel:?}")));
         }
         let n_tiles = n.div_ceil(ROW_TILE);
         let out_ptr = OutPtr(out.as_mut_ptr());
@@ -234,7 +242,7 @@ impl Q41Matrix {
     ///
     /// Callers guarantee: `t < rows.div_ceil(ROW_TILE)`, `xq.len() == m·cols/32`, `out` points
     /// to `m·rows` writable floats of which no other thread touches this tile's rows, and
-    /// `kernel == Avx2` only if the CPU has AVX2, FMA and F16C (checked in `matmul_q8_1`).
+    /// `kernel.supported()` (checked in `matmul_q8_1`).
     fn tile(&self, kernel: Kernel, t: usize, xq: &[BlockQ8_1], m: usize, out: OutPtr) {
         let (n, nb, rb) = (self.rows, self.cols / QK, self.row_bytes());
         let r0 = t * ROW_TILE;
@@ -265,15 +273,15 @@ unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 /// `res[r] = row r of w · x` for `nr <= ROW_TILE` rows of `rb` bytes each.
-/// `w.len() == nr·rb`, `rb == x.len()·20`; `kernel == Avx2` only when the CPU supports it.
+/// `w.len() == nr·rb`, `rb == x.len()·20`; `kernel.supported()`.
 fn dot_rows(kernel: Kernel, w: &[u8], rb: usize, nr: usize, x: &[BlockQ8_1], res: &mut [f32; ROW_TILE]) {
     debug_assert!(w.len() == nr * rb && rb == x.len() * Q4_1_BLOCK_BYTES);
     match kernel {
         #[cfg(target_arch = "x86_64")]
         Kernel::Avx2 => {
-            // SAFETY: `Kernel::Avx2` reaches here only after `matmul_q8_1` checked that the CPU
-            // has AVX2, FMA and F16C; `w` holds `nr` rows of `rb = 20·x.len()` bytes, which is
-            // what the kernels read (checked by the slicing in `tile`).
+            // SAFETY: the kernel reaches here only after `matmul_q8_1` checked `kernel.supported()`,
+            // i.e. that the CPU has AVX2, FMA and F16C; `w` holds `nr` rows of
+            // `rb = 20·x.len()` bytes, which is what the kernels read (sliced in `tile`).
             unsafe {
                 match nr {
                     4 => avx2::dot_q4_1_q8_1::<4>(w, rb, x, res),
@@ -320,6 +328,9 @@ mod avx2 {
 
     use super::{BlockQ8_1, Q4_1_BLOCK_BYTES, ROW_TILE};
 
+    /// How far ahead in each weight row the kernels prefetch.
+    const PREFETCH_BYTES: usize = 384;
+
     /// Horizontal sum of 8 floats.
     #[inline]
     #[target_feature(enable = "avx2")]
@@ -328,6 +339,44 @@ mod avx2 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_movehdup_ps(s));
         _mm_cvtss_f32(s)
+    }
+
+    /// The body of the row-tile kernels; `$dot(qx, qy)` is the i32x8 byte dot product.
+    macro_rules! q4_1_kernel {
+        ($w:ident, $rb:ident, $x:ident, $res:ident, $R:ident, $dot:expr) => {{
+            let low = _mm256_set1_epi8(0x0f);
+            let mut acc = [_mm256_setzero_ps(); $R];
+            // Lane 1 of each accumulates m_w·s_x; lane 0 holds Σ d_w·d_x (unused).
+            let mut accm = [_mm_setzero_ps(); $R];
+            let wp = $w.as_ptr();
+            for (b, xb) in $x.iter().enumerate() {
+                // SAFETY: `xb.qs` is 32 bytes; unaligned load.
+                let qy = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
+                let dxsx = _mm_setr_ps(xb.d, xb.s, 0.0, 0.0);
+                for r in 0..$R {
+                    // SAFETY: r < R and b < x.len(), so the block spans bytes
+                    // r·rb + 20b .. r·rb + 20(b+1) <= R·rb <= w.len() (caller contract).
+                    let p = unsafe { wp.add(r * $rb + b * Q4_1_BLOCK_BYTES) };
+                    // Prefetch a few cache lines ahead in this row; a prefetch never faults, and
+                    // `wrapping_add` keeps the address computation defined past the row's end.
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES).cast());
+                    // SAFETY: 4 bytes (f16 d, f16 m) at the block start, in bounds as above.
+                    let dm_bits = unsafe { p.cast::<i32>().read_unaligned() };
+                    let dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)), dxsx); // [d·dx, m·sx, 0, 0]
+                    accm[r] = _mm_add_ps(accm[r], dm);
+                    // SAFETY: the 16 nibble bytes at block offset 4..20, in bounds as above.
+                    let tmp = unsafe { _mm_loadu_si128(p.add(4).cast()) };
+                    // Low nibbles are elements 0..16, high nibbles 16..32.
+                    let qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(tmp), tmp), low);
+                    let dot: __m256i = $dot(qx, qy);
+                    acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(dot), acc[r]);
+                }
+            }
+            for r in 0..$R {
+                let m_term = _mm_cvtss_f32(_mm_movehdup_ps(accm[r]));
+                $res[r] = hsum(acc[r]) + m_term;
+            }
+        }};
     }
 
     /// `res[r] = Σ_b d_w·d_x·Σ q_w·q_x + m_w·s_x` over the blocks of row `r < R` of `w`.
@@ -342,37 +391,9 @@ mod avx2 {
         x: &[BlockQ8_1],
         res: &mut [f32; ROW_TILE],
     ) {
-        let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); R];
-        // Lane 1 of each accumulates m_w·s_x; lane 0 holds Σ d_w·d_x (unused).
-        let mut accm = [_mm_setzero_ps(); R];
-        let wp = w.as_ptr();
-        for (b, xb) in x.iter().enumerate() {
-            // SAFETY: `xb.qs` is 32 bytes; unaligned load.
-            let qy = unsafe { _mm256_loadu_si256(xb.qs.as_ptr().cast()) };
-            let dxsx = _mm_setr_ps(xb.d, xb.s, 0.0, 0.0);
-            for r in 0..R {
-                // SAFETY: r < R and b < x.len(), so the block spans bytes
-                // r·rb + 20b .. r·rb + 20(b+1) <= R·rb <= w.len() (caller contract).
-                let p = unsafe { wp.add(r * rb + b * Q4_1_BLOCK_BYTES) };
-                // SAFETY: 4 bytes (f16 d, f16 m) at the block start, in bounds as above.
-                let dm_bits = unsafe { p.cast::<i32>().read_unaligned() };
-                let dm = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits)), dxsx); // [d·dx, m·sx, 0, 0]
-                accm[r] = _mm_add_ps(accm[r], dm);
-                // SAFETY: the 16 nibble bytes at block offset 4..20, in bounds as above.
-                let tmp = unsafe { _mm_loadu_si128(p.add(4).cast()) };
-                // Low nibbles are elements 0..16, high nibbles 16..32.
-                let qx = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(tmp), tmp), low);
-                // u8 (0..15) × i8 (|q| <= 127): pair sums <= 3810, no i16 saturation.
-                let dot = _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones);
-                acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(dm), _mm256_cvtepi32_ps(dot), acc[r]);
-            }
-        }
-        for r in 0..R {
-            let m_term = _mm_cvtss_f32(_mm_movehdup_ps(accm[r]));
-            res[r] = hsum(acc[r]) + m_term;
-        }
+        // u8 (0..15) × i8 (|q| <= 127): pair sums <= 3810, no i16 saturation.
+        q4_1_kernel!(w, rb, x, res, R, |qx, qy| _mm256_madd_epi16(_mm256_maddubs_epi16(qx, qy), ones))
     }
 }
 
@@ -399,6 +420,58 @@ impl CpuLinear {
         match self {
             CpuLinear::Q4_1(w) => Some(w),
             CpuLinear::Candle(_) => None,
+        }
+    }
+}
+
+/// Linear layers that read the same input (q/k/v, gate/up). When every part is Q4_1 of the
+/// same width they run as one stacked matrix: one activation quantization and one fork/join
+/// instead of several, which matters for the small decode matmuls.
+#[derive(Debug)]
+pub enum ProjGroup {
+    /// One stacked Q4_1 matrix; the parts' output widths, in order.
+    Fused(Q41Matrix, Vec<usize>),
+    /// One operator per part.
+    Split(Vec<CpuLinear>),
+}
+
+impl ProjGroup {
+    /// Builds the group of `parts` (all `[out_i, in]`).
+    pub fn new(parts: &[&crate::weights::Linear]) -> Result<Self> {
+        use crate::weights::Linear;
+        let q4_1: Option<Vec<Q41Matrix>> = parts
+            .iter()
+            .map(|l| match l {
+                Linear::Quantized(q) if q.dtype() == GgmlDType::Q4_1 => Some(Q41Matrix::from_qtensor(q)),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()
+            .map(|v| v.into_iter().collect::<Result<Vec<_>>>())
+            .transpose()?;
+        match q4_1 {
+            Some(ms) if ms.windows(2).all(|w| w[0].cols() == w[1].cols()) => {
+                let widths = ms.iter().map(Q41Matrix::rows).collect();
+                Ok(ProjGroup::Fused(Q41Matrix::concat_rows(&ms.iter().collect::<Vec<_>>())?, widths))
+            }
+            _ => Ok(ProjGroup::Split(parts.iter().map(|l| l.cpu_linear()).collect::<Result<_>>()?)),
+        }
+    }
+
+    /// Each part's `x · Wᵀ` for `x` of shape `[T, in]` (fused parts are column views).
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            ProjGroup::Split(ls) => ls.iter().map(|l| l.forward(x)).collect(),
+            ProjGroup::Fused(w, widths) => {
+                let y = q4_1_forward(w, x)?;
+                let last = y.rank().saturating_sub(1);
+                let mut off = 0;
+                let mut out = Vec::with_capacity(widths.len());
+                for &n in widths {
+                    out.push(y.narrow(last, off, n)?);
+                    off += n;
+                }
+                Ok(out)
+            }
         }
     }
 }
@@ -499,11 +572,11 @@ mod tests {
             w.matmul_with(Kernel::Scalar, &x, m, &mut scalar).unwrap();
             let e = rel(&scalar, &reference);
             assert!(e <= 1e-2, "scalar vs f32 ({n}x{k}, m={m}): {e}");
-            if Kernel::detect() == Kernel::Avx2 {
+            for kern in [Kernel::Avx2].into_iter().filter(|k| k.supported()) {
                 let mut simd = vec![0f32; m * n];
-                w.matmul_with(Kernel::Avx2, &x, m, &mut simd).unwrap();
+                w.matmul_with(kern, &x, m, &mut simd).unwrap();
                 let e = rel(&simd, &scalar);
-                assert!(e <= 2e-6, "avx2 vs scalar ({n}x{k}, m={m}): {e}");
+                assert!(e <= 2e-6, "{kern:?} vs scalar ({n}x{k}, m={m}): {e}");
             }
         }
     }
@@ -583,6 +656,68 @@ mod bench {
                     w.size_in_bytes() as f64 / dt / 1e9
                 );
             }
+        }
+    }
+
+    /// Decode-step split on the real model: all matmuls alone vs a whole `decode_step`.
+    #[test]
+    #[ignore]
+    fn model_split() {
+        let path = std::path::Path::new("/root/.cache/ferrum/SmolLM2-135M-Instruct.Q4_1.gguf");
+        let Ok(lm) = crate::load::load_model(path, crate::weights::WeightFormat::Quantized) else { return };
+        let w = &lm.weights;
+        let mut lins = Vec::new();
+        for l in &w.layers {
+            for x in [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down] {
+                lins.push(x.cpu_linear().unwrap());
+            }
+        }
+        let old: Vec<CpuLinear> = w
+            .layers
+            .iter()
+            .flat_map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down])
+            .map(|x| CpuLinear::Candle(x.qmatmul().unwrap()))
+            .collect();
+        let head = w.lm_head.cpu_linear().unwrap();
+        let xs: Vec<Tensor> =
+            [576usize, 1536].iter().map(|&k| Tensor::randn(0f32, 1.0, (1, k), &Device::Cpu).unwrap()).collect();
+        let pick = |l: &CpuLinear| if l.q4_1().map(|q| q.cols()) == Some(1536) { &xs[1] } else { &xs[0] };
+        for _ in 0..3 {
+            let t = Instant::now();
+            let iters = 50;
+            for _ in 0..iters {
+                for l in &lins {
+                    l.forward(pick(l)).unwrap();
+                }
+            }
+            let tl = t.elapsed().as_secs_f64() / iters as f64;
+            let t = Instant::now();
+            for _ in 0..iters {
+                for (l, o) in lins.iter().zip(&old) {
+                    o.forward(pick(l)).unwrap();
+                }
+            }
+            let to = t.elapsed().as_secs_f64() / iters as f64;
+            let t = Instant::now();
+            for _ in 0..iters {
+                head.forward(&xs[0]).unwrap();
+            }
+            let th = t.elapsed().as_secs_f64() / iters as f64;
+            let model = crate::model::CpuModel::new(w).unwrap();
+            let mut cache = model.new_cache(256).unwrap();
+            model.prefill(&mut cache, &[1, 2, 3]).unwrap();
+            let t = Instant::now();
+            for i in 0..iters {
+                model.decode_step(&mut cache, 100 + i as u32).unwrap();
+            }
+            let td = t.elapsed().as_secs_f64() / iters as f64;
+            println!(
+                "layers' matmuls: Q4_1 kernel {:.2} ms, via Q8_0 {:.2} ms; lm head {:.2} ms; decode step {:.2} ms",
+                tl * 1e3,
+                to * 1e3,
+                th * 1e3,
+                td * 1e3
+            );
         }
     }
 }

@@ -60,6 +60,13 @@ struct GenerateArgs {
 }
 
 fn main() {
+    // candle asks for its thread count on most CPU ops and, without this variable, re-reads
+    // /proc/cpuinfo each time (~0.5-1 ms per token on the default model). Set it once, before
+    // any thread exists, to what it would have found.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Generate(a) => run_generate(a),

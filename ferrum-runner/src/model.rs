@@ -13,7 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::ModelConfig;
-use crate::cpu_quant::CpuLinear;
+use crate::cpu_quant::{CpuLinear, ProjGroup};
 use crate::error::{Error, Result};
 use crate::weights::{LayerWeights, ModelWeights};
 
@@ -37,9 +37,8 @@ impl Reducer for NoReduce {
 #[derive(Debug)]
 struct CpuLayer {
     attn_norm: Tensor,
-    q: CpuLinear,
-    k: CpuLinear,
-    v: CpuLinear,
+    /// q, k, v (one stacked matrix when they are Q4_1).
+    qkv: ProjGroup,
     o: CpuLinear,
     q_bias: Option<Tensor>,
     k_bias: Option<Tensor>,
@@ -47,8 +46,8 @@ struct CpuLayer {
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
     mlp_norm: Tensor,
-    gate: CpuLinear,
-    up: CpuLinear,
+    /// gate, up (one stacked matrix when they are Q4_1).
+    gate_up: ProjGroup,
     down: CpuLinear,
 }
 
@@ -106,7 +105,10 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 fn linear(x: &Tensor, w: &CpuLinear, bias: Option<&Tensor>) -> Result<Tensor> {
-    let y = w.forward(x)?;
+    add_bias(w.forward(x)?, bias)
+}
+
+fn add_bias(y: Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
     Ok(match bias {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -161,9 +163,7 @@ impl CpuModel {
         let co = |t: &Option<Tensor>| -> Result<Option<Tensor>> { t.as_ref().map(c).transpose() };
         Ok(CpuLayer {
             attn_norm: c(&l.attn_norm)?,
-            q: l.q.cpu_linear()?,
-            k: l.k.cpu_linear()?,
-            v: l.v.cpu_linear()?,
+            qkv: ProjGroup::new(&[&l.q, &l.k, &l.v])?,
             o: l.o.cpu_linear()?,
             q_bias: co(&l.q_bias)?,
             k_bias: co(&l.k_bias)?,
@@ -171,8 +171,7 @@ impl CpuModel {
             q_norm: co(&l.q_norm)?,
             k_norm: co(&l.k_norm)?,
             mlp_norm: c(&l.mlp_norm)?,
-            gate: l.gate.cpu_linear()?,
-            up: l.up.cpu_linear()?,
+            gate_up: ProjGroup::new(&[&l.gate, &l.up])?,
             down: l.down.cpu_linear()?,
         })
     }
@@ -268,9 +267,14 @@ impl CpuModel {
         for (li, l) in self.layers.iter().enumerate() {
             // ---- attention ----
             let hn = rms_norm(&x, &l.attn_norm, cfg.rms_norm_eps)?;
-            let q = linear(&hn, &l.q, l.q_bias.as_ref())?; // [T, H*hd]
-            let k = linear(&hn, &l.k, l.k_bias.as_ref())?; // [T, KV*hd]
-            let v = linear(&hn, &l.v, l.v_bias.as_ref())?; // [T, KV*hd]
+            let [q, k, v]: [Tensor; 3] = l
+                .qkv
+                .forward(&hn)?
+                .try_into()
+                .map_err(|_| Error::BadConfig("q/k/v projection group must have 3 parts".into()))?;
+            let q = add_bias(q, l.q_bias.as_ref())?; // [T, H*hd]
+            let k = add_bias(k, l.k_bias.as_ref())?; // [T, KV*hd]
+            let v = add_bias(v, l.v_bias.as_ref())?; // [T, KV*hd]
             let mut q = q.reshape((t, h, hd))?.transpose(0, 1)?.contiguous()?; // [H, T, hd]
             let mut k = k.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?; // [KV, T, hd]
             let v = v.reshape((t, kv, hd))?.transpose(0, 1)?.contiguous()?; // [KV, T, hd]
@@ -299,8 +303,12 @@ impl CpuModel {
 
             // ---- MLP ----
             let hn = rms_norm(&x, &l.mlp_norm, cfg.rms_norm_eps)?;
-            let gate = candle_nn::ops::silu(&linear(&hn, &l.gate, None)?)?; // [T, F]
-            let up = linear(&hn, &l.up, None)?; // [T, F]
+            let [gate, up]: [Tensor; 2] = l
+                .gate_up
+                .forward(&hn)?
+                .try_into()
+                .map_err(|_| Error::BadConfig("gate/up projection group must have 2 parts".into()))?;
+            let gate = candle_nn::ops::silu(&gate)?; // [T, F]
             let down = reducer.all_reduce(linear(&(gate * up)?, &l.down, None)?)?; // [T, D]
             x = (x + down)?;
         }
