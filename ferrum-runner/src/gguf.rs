@@ -457,12 +457,9 @@ pub fn reorder_rows_quantized(q: &QTensor, index: &[usize]) -> Result<QTensor> {
 // Metadata → config
 // ---------------------------------------------------------------------------------------------
 
-fn md_uint(md: &HashMap<String, Value>, key: &str) -> Result<Option<u64>> {
-    let v = match md.get(key) {
-        None => return Ok(None),
-        Some(v) => v,
-    };
-    let n = match *v {
+/// A GGUF metadata value as a non-negative integer, whatever integer type the file used.
+pub(crate) fn value_as_u64(v: &Value) -> Option<u64> {
+    match *v {
         Value::U8(x) => Some(u64::from(x)),
         Value::U16(x) => Some(u64::from(x)),
         Value::U32(x) => Some(u64::from(x)),
@@ -472,8 +469,17 @@ fn md_uint(md: &HashMap<String, Value>, key: &str) -> Result<Option<u64>> {
         Value::I32(x) => u64::try_from(x).ok(),
         Value::I64(x) => u64::try_from(x).ok(),
         _ => None,
+    }
+}
+
+fn md_uint(md: &HashMap<String, Value>, key: &str) -> Result<Option<u64>> {
+    let v = match md.get(key) {
+        None => return Ok(None),
+        Some(v) => v,
     };
-    n.map(Some).ok_or_else(|| Error::BadConfig(format!("`{key}` must be a non-negative integer, got {v:?}")))
+    value_as_u64(v)
+        .map(Some)
+        .ok_or_else(|| Error::BadConfig(format!("`{key}` must be a non-negative integer, got {v:?}")))
 }
 
 fn md_usize(md: &HashMap<String, Value>, key: &str) -> Result<Option<usize>> {

@@ -289,20 +289,6 @@ fn tok_err(what: impl fmt::Display) -> Error {
 // GGUF metadata helpers
 // ---------------------------------------------------------------------------------------------
 
-fn md_u64(v: &Value) -> Option<u64> {
-    match *v {
-        Value::U8(x) => Some(u64::from(x)),
-        Value::U16(x) => Some(u64::from(x)),
-        Value::U32(x) => Some(u64::from(x)),
-        Value::U64(x) => Some(x),
-        Value::I8(x) => u64::try_from(x).ok(),
-        Value::I16(x) => u64::try_from(x).ok(),
-        Value::I32(x) => u64::try_from(x).ok(),
-        Value::I64(x) => u64::try_from(x).ok(),
-        _ => None,
-    }
-}
-
 fn md_i64(v: &Value) -> Option<i64> {
     match *v {
         Value::U8(x) => Some(i64::from(x)),
@@ -346,7 +332,8 @@ fn md_bool(md: &HashMap<String, Value>, key: &str) -> Result<Option<bool>> {
 /// An optional token id; ids outside the vocabulary are ignored with a warning, as llama.cpp does.
 fn md_token_id(md: &HashMap<String, Value>, key: &str, n_tokens: usize) -> Result<Option<u32>> {
     let Some(v) = md.get(key) else { return Ok(None) };
-    let id = md_u64(v).ok_or_else(|| tok_err(format!("GGUF key `{key}` should be a token id, found {v:?}")))?;
+    let id = crate::gguf::value_as_u64(v)
+        .ok_or_else(|| tok_err(format!("GGUF key `{key}` should be a token id, found {v:?}")))?;
     if id >= n_tokens as u64 {
         tracing::warn!("GGUF `{key}` = {id} is outside the vocabulary of {n_tokens} tokens; ignored");
         return Ok(None);
