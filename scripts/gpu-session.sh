@@ -30,7 +30,7 @@ done
 # The GPU suite: every test executable in the bundle, ignored (GPU) tests only.
 FERRUM_HF_REF_ROOT=$HF timeout ${SUITE_TIMEOUT:-330} "$B/run-gpu-suite.sh" --nocapture >"$OUT/gpu-suite.log" 2>&1
 say "== GPU suite exit: $?"
-grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked" "$OUT/gpu-suite.log" | tee -a "$S"
+grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 vs|TP2 greedy|synthetic TP2|on rank" "$OUT/gpu-suite.log" | tee -a "$S"
 
 fi
 if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
@@ -39,19 +39,37 @@ if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
     say "== memcheck (gpu-tests-cuda) exit: $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 fi
 
+GPUS=$(nvidia-smi -L | grep -c '^GPU')
+if [ -z "${SKIP_TPCLI:-}" ] && [ "$GPUS" -ge 2 ]; then
+    say "== ferrum generate with TP over two GPUs (scripts/gpu-tp-cli.sh)"
+    timeout ${TPCLI_TIMEOUT:-200} bash scripts/gpu-tp-cli.sh >"$OUT/tp-cli.log" 2>&1
+    grep -E "^(TP-CLI|tp|two)" "$OUT/tp-cli.log" | tee -a "$S"
+fi
+
 if [ -z "${SKIP_BENCH:-}" ]; then
-    say "== ferrum bench (bf16, 128-token prompt, 256 new tokens, median of 3 runs)"
-    for m in smollm2-135m llama3.2-1b llama3-8b; do
-        "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
-            --runs 3 --json >"$OUT/bench-$m.json" 2>>"$OUT/bench.log"
-        python3 - "$OUT/bench-$m.json" <<'PY' | tee -a "$S"
+    TPS="1"; [ "$GPUS" -ge 2 ] && TPS="1 2"
+    say "== ferrum bench (bf16, 128-token prompt, 256 new tokens, median of 3 runs; device loop, graphs)"
+    for tp in $TPS; do
+    for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+        "$B/ferrum" bench --device cuda --tp $tp --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+            --runs 3 --json >"$OUT/bench-$m-tp$tp.json" 2>>"$OUT/bench.log"
+        python3 - "$OUT/bench-$m-tp$tp.json" <<'PY' | tee -a "$S"
 import json, sys
 r = json.load(open(sys.argv[1]))
-print(f"ferrum {r['model']}: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok "
-      f"(p99 {r['decode_ms_per_token_p99']:.3f}), prefill {r['prefill_ms_median']:.1f} ms, "
-      f"{r['achieved_gb_per_s']:.0f} GB/s = {100*r['share_of_copy_bandwidth']:.1f}% of copy {r['copy_gb_per_s']:.0f} GB/s")
+extra = ""
+if r.get("host_us_per_token") is not None:
+    extra = f"; host {r['host_us_per_token']:.2f} us/token, capture {r['capture_ms']:.1f} ms"
+print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']:.0f} tok/s, "
+      f"{r['decode_ms_per_token_median']:.3f} ms/tok (worst run {r['decode_ms_per_token_p99']:.3f}), "
+      f"prefill {r['prefill_ms_median']:.1f} ms, {r['achieved_gb_per_s']:.0f} GB/s per GPU = "
+      f"{100*r['share_of_copy_bandwidth']:.1f}% of copy {r['copy_gb_per_s']:.0f} GB/s{extra}")
 PY
     done
+    done
+    if [ "$GPUS" -ge 2 ]; then
+        say "== all-reduce latency (NCCL, 2 GPUs, in a graph and eager)"
+        "$B/ferrum" bench --all-reduce --device cuda --tp 2 --hidden 4096 2>>"$OUT/bench.log" | tee -a "$S"
+    fi
     if [ -f "$B/torch_decode.py" ]; then
         say "== PyTorch peer (same GPU, same command)"
         python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"

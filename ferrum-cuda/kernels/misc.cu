@@ -1,5 +1,6 @@
 // Argmax over the logits (two passes, deterministic: the smallest index wins
-// ties, NaN never wins) and the hash-based random init for synthetic weights.
+// ties, NaN never wins), optionally a Gumbel-max sample, with the device-fed
+// step update; and the hash-based random init for synthetic weights.
 #include "common.cuh"
 
 __device__ __forceinline__ bool better(float v, uint32_t i, float bv, uint32_t bi) {
@@ -40,14 +41,36 @@ __device__ __forceinline__ void block_argmax(float &v, uint32_t &i) {
     }
 }
 
+__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
 // Pass 1: block b reduces logits[b*chunk, min((b+1)*chunk, n)).
+//
+// With inv_temp > 0 it samples instead of taking the maximum (the Gumbel-max
+// trick): logit k becomes x_k * inv_temp + g_k with g_k = -log(-log(u_k)) and
+// u_k uniform in (0, 1) hashed from (seed, position, k), so the argmax is a
+// draw from softmax(x / T), reproducible from (seed, position). The position
+// is step[1] (the decode step buffer), or 0 when step is null.
 extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int chunk,
-                                                 float *part_v, uint32_t *part_i) {
+                                                 float inv_temp, unsigned long long seed,
+                                                 const uint32_t *step, float *part_v,
+                                                 uint32_t *part_i) {
     const int start = blockIdx.x * chunk, end = min(start + chunk, n);
+    const uint64_t pos = step ? (uint64_t)step[1] : 0ull;
+    const uint64_t key = splitmix64(seed ^ splitmix64(pos));
     float v = FERRUM_NEG_INF;
     uint32_t i = 0xffffffffu;
     for (int k = start + threadIdx.x; k < end; k += blockDim.x) {
-        const float x = logits[k];
+        float x = logits[k];
+        if (inv_temp > 0.0f) {
+            const uint64_t h = splitmix64(key ^ (uint64_t)k);
+            const float u = ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+            x = x * inv_temp - logf(-logf(u));
+        }
         if (!isnan(x) && better(x, (uint32_t)k, v, i)) {
             v = x;
             i = (uint32_t)k;
@@ -60,9 +83,17 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
     }
 }
 
-// Pass 2: one block over the n_parts partials; writes the index (0 if every logit is NaN).
+// Pass 2: one block over the n_parts partials; writes the index to out[0] (0
+// if every logit is NaN).
+//
+// Device-fed decoding (step non-null): the chosen token also becomes the next
+// step's input. With pos = step[1] (the position just decoded), the token is
+// the one at position pos + 1: it goes to history[pos + 1] (history holds
+// capacity + 1 entries) and step[0]; step[1] advances to pos + 1 while that is
+// below capacity (it never points past the KV cache, whatever the host does).
 extern "C" __global__ void ferrum_argmax_final(const float *part_v, const uint32_t *part_i,
-                                               int n_parts, uint32_t *out) {
+                                               int n_parts, uint32_t *out, uint32_t *step,
+                                               uint32_t *history, int capacity) {
     float v = FERRUM_NEG_INF;
     uint32_t i = 0xffffffffu;
     for (int k = threadIdx.x; k < n_parts; k += blockDim.x) {
@@ -72,35 +103,44 @@ extern "C" __global__ void ferrum_argmax_final(const float *part_v, const uint32
         }
     }
     block_argmax(v, i);
-    if (threadIdx.x == 0) out[0] = (i == 0xffffffffu) ? 0u : i;
+    if (threadIdx.x == 0) {
+        const uint32_t tok = (i == 0xffffffffu) ? 0u : i;
+        out[0] = tok;
+        if (step) {
+            const uint32_t next = step[1] + 1u;
+            if (next <= (uint32_t)capacity) history[next] = tok;
+            if (next < (uint32_t)capacity) step[1] = next;
+            step[0] = tok;
+        }
+    }
 }
 
-__device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
-    z += 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-// out[k] = offset + half_width * u, u uniform in [-1, 1), from a hash of (seed, k).
+// A [rows x cols] slice, at (row0, col0), of a [* x full_cols] matrix whose
+// element e (row-major index) is offset + half_width * u_e, u_e uniform in
+// [-1, 1) hashed from (seed, e). A tensor-parallel shard of a random model is
+// thus exactly the slice of the whole model that the same seed makes.
 template <typename T>
-__device__ void init_uniform(T *out, unsigned long long n, unsigned long long seed,
-                             float offset, float half_width) {
+__device__ void init_uniform(T *out, int rows, int cols, long long full_cols, long long row0,
+                             long long col0, unsigned long long seed, float offset,
+                             float half_width) {
+    const unsigned long long n = (unsigned long long)rows * (unsigned long long)cols;
     for (unsigned long long k = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (unsigned long long)gridDim.x * blockDim.x) {
-        const uint64_t h = splitmix64(seed ^ splitmix64(k));
+        const unsigned long long r = k / (unsigned long long)cols, c = k % (unsigned long long)cols;
+        const unsigned long long e = (row0 + r) * full_cols + col0 + c;
+        const uint64_t h = splitmix64(seed ^ splitmix64(e));
         const float u = (float)(h >> 40) * (1.0f / 16777216.0f);  // [0, 1), 24 bits
         out[k] = from_f<T>(offset + half_width * (2.0f * u - 1.0f));
     }
 }
 
-extern "C" __global__ void ferrum_init_uniform_f16(f16 *out, unsigned long long n,
-                                                   unsigned long long seed, float offset,
-                                                   float half_width) {
-    init_uniform<f16>(out, n, seed, offset, half_width);
-}
-extern "C" __global__ void ferrum_init_uniform_bf16(bf16 *out, unsigned long long n,
-                                                    unsigned long long seed, float offset,
-                                                    float half_width) {
-    init_uniform<bf16>(out, n, seed, offset, half_width);
-}
+#define FERRUM_INIT(S, T)                                                                          \
+    extern "C" __global__ void ferrum_init_uniform_##S(T *out, int rows, int cols,                 \
+                                                       long long full_cols, long long row0,        \
+                                                       long long col0, unsigned long long seed,    \
+                                                       float offset, float half_width) {           \
+        init_uniform<T>(out, rows, cols, full_cols, row0, col0, seed, offset, half_width);         \
+    }
+
+FERRUM_INIT(f16, f16)
+FERRUM_INIT(bf16, bf16)

@@ -50,6 +50,9 @@ pub enum Error {
     /// The sequence's KV cache has no room for the tokens asked.
     #[error("KV cache capacity exhausted for sequence {seq}: it holds {len} of {capacity} tokens and {asked} more were asked")]
     CapacityExhausted { seq: u64, len: usize, capacity: usize, asked: usize },
+    /// The reducer (a tensor-parallel all-reduce, e.g. NCCL) failed; its own text.
+    #[error("all-reduce failed: {0}")]
+    Reduce(String),
     /// Any other invalid argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -27,15 +27,16 @@ pub mod ptx {
 pub use error::{Error, Result};
 pub use kernel_list::{Kernel, KERNEL_MODULES, KERNEL_NAMES, PTX_MODULES};
 pub use spec::{
-    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, HostData, HostLayer, HostTensor, HostWeights, Projection,
-    SUPPORTED_HEAD_DIMS,
+    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, HostData, HostLayer, HostTensor, HostWeights,
+    Projection, ShardRange, SUPPORTED_HEAD_DIMS,
 };
 
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    device_count, device_info, measure_copy_bandwidth, CudaDecodeRunner, DeviceLogits, NoReduce, ReduceBuf, Reducer,
+    device_count, device_info, measure_copy_bandwidth, CudaDecodeRunner, DeviceLogits, DeviceStepKey, NoReduce,
+    ReduceBuf, Reducer,
 };
 /// cudarc, re-exported so that layers above (NCCL, graphs) use the same version.
 #[cfg(feature = "cuda")]

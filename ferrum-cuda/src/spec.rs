@@ -269,7 +269,7 @@ impl CudaModelSpec {
 }
 
 /// How batch-1 projections run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Projection {
     /// ferrum's GEMV kernels (16-byte loads, fp32 accumulate).
     #[default]
@@ -297,4 +297,78 @@ pub struct CopyBandwidth {
     pub seconds: f64,
     /// Bytes read plus bytes written, per second.
     pub bytes_per_second: f64,
+}
+
+/// How the device picks each next token in device-fed decoding
+/// ([`CudaDecodeRunner::enqueue_device_step`](crate::CudaDecodeRunner)).
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub enum DeviceSampling {
+    /// The largest logit (smallest index on ties).
+    #[default]
+    Greedy,
+    /// A draw from `softmax(logits / temperature)` by the Gumbel-max trick, reproducible from
+    /// `(seed, position)` (no top-k / top-p: those stay on the host path).
+    Temperature {
+        /// Must be finite and above 0.
+        temperature: f32,
+        /// The sampling seed.
+        seed: u64,
+    },
+}
+
+impl DeviceSampling {
+    /// `(1 / temperature, seed)` for the kernel, or `None` for greedy. Checks the temperature.
+    pub fn kernel_args(self) -> Result<Option<(f32, u64)>> {
+        match self {
+            DeviceSampling::Greedy => Ok(None),
+            DeviceSampling::Temperature { temperature, seed } => {
+                if !(temperature.is_finite() && temperature > 0.0) {
+                    return Err(Error::InvalidArgument(format!("sampling temperature {temperature}")));
+                }
+                Ok(Some((1.0 / temperature, seed)))
+            }
+        }
+    }
+}
+
+/// The part of a model that one tensor-parallel rank holds: whole KV heads (and the query heads
+/// of their groups) and a range of MLP columns. Embeddings, norms and the LM head are replicated.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ShardRange {
+    /// KV heads `kv_heads.start .. kv_heads.end` of the whole model.
+    pub kv_heads: std::ops::Range<usize>,
+    /// MLP (intermediate) columns of the whole model.
+    pub ffn: std::ops::Range<usize>,
+}
+
+impl ShardRange {
+    /// The whole model (TP1).
+    pub fn whole(spec: &CudaModelSpec) -> Self {
+        ShardRange { kv_heads: 0..spec.kv_heads, ffn: 0..spec.intermediate }
+    }
+
+    /// Query heads of this shard in a model with `group` query heads per KV head.
+    pub fn q_heads(&self, group: usize) -> std::ops::Range<usize> {
+        self.kv_heads.start * group..self.kv_heads.end * group
+    }
+}
+
+impl CudaModelSpec {
+    /// The description of one rank's shard of this (whole) model.
+    pub fn shard(&self, r: &ShardRange) -> Result<CudaModelSpec> {
+        self.validate()?;
+        if r.kv_heads.is_empty() || r.kv_heads.end > self.kv_heads {
+            return Err(Error::InvalidSpec(format!("KV heads {:?} of {}", r.kv_heads, self.kv_heads)));
+        }
+        if r.ffn.is_empty() || r.ffn.end > self.intermediate {
+            return Err(Error::InvalidSpec(format!("MLP columns {:?} of {}", r.ffn, self.intermediate)));
+        }
+        let group = self.heads / self.kv_heads;
+        Ok(CudaModelSpec {
+            intermediate: r.ffn.len(),
+            heads: r.kv_heads.len() * group,
+            kv_heads: r.kv_heads.len(),
+            ..self.clone()
+        })
+    }
 }

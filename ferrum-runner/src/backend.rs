@@ -3,8 +3,28 @@
 //! [`DecodeBackend`] is what the generation loop and `ferrum bench` drive; the CPU reference
 //! ([`CpuBackend`]), CPU tensor parallelism and the CUDA runner each implement it.
 
+use std::time::Duration;
+
+pub use ferrum_cuda::DeviceSampling;
+
 use crate::error::{Error, Result};
 use crate::model::{CpuModel, KvCache};
+
+/// What a device-fed decode run did (see [`DecodeBackend::decode_on_device`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DeviceRun {
+    /// Steps whose tokens were handed out (the last one included).
+    pub kept: usize,
+    /// Steps run (at most a batch more than kept).
+    pub run: usize,
+    /// Graphs captured during the run, and the time that took.
+    pub captures: u64,
+    pub capture_time: Duration,
+    /// Host time spent queueing graph replays (from each call to its replay being queued).
+    pub enqueue_time: Duration,
+    /// Graph replays queued (0 when the steps ran eagerly).
+    pub replays: u64,
+}
 
 /// A model that decodes one sequence.
 pub trait DecodeBackend {
@@ -17,6 +37,60 @@ pub trait DecodeBackend {
     fn step(&mut self, token: u32) -> Result<Vec<f32>>;
     /// A one-line description for logs (`cpu f32`, `cuda:0 bf16`, …).
     fn describe(&self) -> String;
+
+    /// Whether [`decode_on_device`](Self::decode_on_device) works here (CUDA backends).
+    fn has_device_decode(&self) -> bool {
+        false
+    }
+
+    /// Device-fed decoding: feeds `token` (chosen, not yet fed) at the next position, and lets
+    /// the device choose every next token (`sampling`) for up to `max_steps` steps, with no
+    /// host round trip per token; `on_token` receives the chosen tokens in order and returns
+    /// whether to go on. Steps run past the last kept one are discarded, so afterwards
+    /// [`step`](Self::step) continues from the last token handed out.
+    fn decode_on_device(
+        &mut self,
+        _token: u32,
+        _max_steps: usize,
+        _sampling: DeviceSampling,
+        _on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<DeviceRun> {
+        Err(Error::Unavailable("device-fed decoding", format!("not on {}", self.describe())))
+    }
+}
+
+/// Steps the host asks for per read-back at first (so the first tokens show at once); the
+/// batch then doubles up to [`MAX_DEVICE_BATCH`].
+pub const FIRST_DEVICE_BATCH: usize = 2;
+/// Most steps between two read-backs (so at most this many run past a stop).
+pub const MAX_DEVICE_BATCH: usize = 32;
+
+/// The host side of device-fed decoding, for any backend: asks `run_batch(done, n)` for the
+/// tokens of steps `done .. done + n` in growing batches, up to `max_steps` steps, handing each
+/// token to `on_token` until it returns `false`. Returns `(steps kept, steps run)`: kept steps
+/// are those whose tokens `on_token` saw (the last one included).
+pub fn drive_device_batches(
+    max_steps: usize,
+    on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    run_batch: &mut dyn FnMut(usize, usize) -> Result<Vec<u32>>,
+) -> Result<(usize, usize)> {
+    let (mut done, mut kept, mut batch) = (0, 0, FIRST_DEVICE_BATCH);
+    while done < max_steps {
+        let n = batch.min(max_steps - done);
+        let tokens = run_batch(done, n)?;
+        if tokens.len() != n {
+            return Err(Error::Unavailable("device-fed decoding", format!("{} tokens for {n} steps", tokens.len())));
+        }
+        done += n;
+        for t in tokens {
+            kept += 1;
+            if !on_token(t)? {
+                return Ok((kept, done));
+            }
+        }
+        batch = (batch * 2).min(MAX_DEVICE_BATCH);
+    }
+    Ok((kept, done))
 }
 
 /// The single-threaded-per-op CPU reference path (candle uses its own worker threads inside matmuls).
@@ -58,5 +132,59 @@ impl DecodeBackend for CpuBackend {
 
     fn describe(&self) -> String {
         format!("cpu {}", self.label)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_batches_grow_and_stop_early() {
+        let mut asked = Vec::new();
+        let mut seen = Vec::new();
+        let (kept, run) = drive_device_batches(
+            100,
+            &mut |t| {
+                seen.push(t);
+                Ok(t != 9)
+            },
+            &mut |done, n| {
+                asked.push((done, n));
+                Ok((done..done + n).map(|i| i as u32).collect())
+            },
+        )
+        .unwrap();
+        assert_eq!(seen, (0..=9).collect::<Vec<_>>());
+        assert_eq!((kept, run), (10, 14));
+        assert_eq!(asked, vec![(0, 2), (2, 4), (6, 8)]);
+    }
+
+    #[test]
+    fn device_batches_respect_max_steps_and_check_counts() {
+        let mut asked = Vec::new();
+        let (kept, run) = drive_device_batches(5, &mut |_| Ok(true), &mut |d, n| {
+            asked.push((d, n));
+            Ok(vec![0; n])
+        })
+        .unwrap();
+        assert_eq!((kept, run), (5, 5));
+        assert_eq!(asked, vec![(0, 2), (2, 3)]);
+        assert!(drive_device_batches(5, &mut |_| Ok(true), &mut |_, _| Ok(vec![1])).is_err());
+        let none = drive_device_batches(0, &mut |_| Ok(true), &mut |_, _| Err(Error::InvalidInput("called".into())));
+        assert_eq!(none.unwrap(), (0, 0));
+    }
+
+    #[test]
+    fn device_batches_cap_at_the_maximum() {
+        let mut sizes = Vec::new();
+        drive_device_batches(300, &mut |_| Ok(true), &mut |_, n| {
+            sizes.push(n);
+            Ok(vec![0; n])
+        })
+        .unwrap();
+        assert_eq!(sizes.iter().sum::<usize>(), 300);
+        assert!(sizes.iter().all(|&n| n <= MAX_DEVICE_BATCH));
+        assert_eq!(&sizes[..5], &[2, 4, 8, 16, 32]);
     }
 }

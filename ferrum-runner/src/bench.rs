@@ -1,15 +1,18 @@
 //! `ferrum bench`: prefill time and decode speed, median of several runs, as a table or JSON.
 //!
 //! Each run prefills a prompt of `--prompt-tokens` token ids and then decodes `--gen-tokens`
-//! steps greedily, timing every step. Speed is reported as the median (and p99) over all
-//! timed steps of all runs after the warm-up run.
+//! steps greedily. On CUDA the tokens are chosen on the GPU and every step is one graph replay
+//! (the default, as in `ferrum generate`): a run's time per token is its decode time over its
+//! steps, and the median (and worst) over the runs after the warm-up run is reported. With
+//! `--host-loop` (and on the CPU) every step is timed alone and the median (and p99) over all
+//! steps is reported.
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde::Serialize;
 
-use ferrum_runner::backend::DecodeBackend;
+use ferrum_runner::backend::{DecodeBackend, DeviceRun, DeviceSampling};
 use ferrum_runner::config::ModelConfig;
 use ferrum_runner::load::load_model;
 use ferrum_runner::sampling::argmax;
@@ -38,6 +41,13 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Instead of a model: the latency of one decode-sized NCCL all-reduce over --tp GPUs,
+    /// inside a CUDA graph and eager (needs --device cuda and --tp 2 or more).
+    #[arg(long, conflicts_with_all = ["synthetic", "model"])]
+    all_reduce: bool,
+    /// Elements per all-reduce for --all-reduce (a decode step reduces `hidden` of them).
+    #[arg(long, default_value_t = 4096)]
+    hidden: usize,
 }
 
 #[derive(Serialize, Debug)]
@@ -58,6 +68,13 @@ struct Report {
     /// GPU only: achieved weight bandwidth over the copy bandwidth.
     share_of_copy_bandwidth: Option<f64>,
     threads: usize,
+    /// `device loop (graphs)`, `device loop (eager)` or `host loop`.
+    mode: String,
+    /// Device loop with graphs: host time to queue one replay (mean over the timed runs), µs.
+    host_us_per_token: Option<f64>,
+    /// Device loop with graphs: time to capture, instantiate and upload the step graph, ms
+    /// (the warm-up run's; on TP the slowest rank's is not separated: rank 0's).
+    capture_ms: Option<f64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -73,6 +90,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("--prompt-tokens, --gen-tokens and --runs must be at least 1");
     }
     let opts = a.model.to_options()?;
+    if a.all_reduce {
+        return all_reduce(&a, &opts);
+    }
     let (mut backend, cfg, bytes, name): (Box<dyn DecodeBackend>, ModelConfig, u64, String) =
         match (&a.synthetic, opts.device) {
             (Some(name), DeviceSpec::Cpu) => {
@@ -106,16 +126,37 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let capacity = a.prompt_tokens + a.gen_tokens;
     let mut prefill_ms = Vec::new();
     let mut step_ms = Vec::new();
+    let device = backend.has_device_decode() && !a.model.host_loop;
+    let (mut enqueue_s, mut replays, mut capture_ms) = (0.0f64, 0u64, None);
     for run in 0..=a.runs {
         let t = Instant::now();
         let mut logits = backend.prefill(&prompt, capacity)?;
         let pf = t.elapsed().as_secs_f64() * 1e3;
         let mut steps = Vec::with_capacity(a.gen_tokens);
-        for _ in 0..a.gen_tokens {
-            let tok = argmax(&logits);
+        if device {
             let t = Instant::now();
-            logits = backend.step(tok)?;
-            steps.push(t.elapsed().as_secs_f64() * 1e3);
+            let d: DeviceRun =
+                backend.decode_on_device(argmax(&logits), a.gen_tokens, DeviceSampling::Greedy, &mut |_| Ok(true))?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
+            if d.kept != a.gen_tokens {
+                bail!("the device loop ran {} of {} steps", d.kept, a.gen_tokens);
+            }
+            if d.captures > 0 {
+                capture_ms = Some(d.capture_time.as_secs_f64() * 1e3);
+            }
+            // One entry per run: its mean time per token (the capture, if any, excluded).
+            steps.push((ms - d.capture_time.as_secs_f64() * 1e3) / a.gen_tokens as f64);
+            if run > 0 {
+                enqueue_s += d.enqueue_time.as_secs_f64();
+                replays += d.replays;
+            }
+        } else {
+            for _ in 0..a.gen_tokens {
+                let tok = argmax(&logits);
+                let t = Instant::now();
+                logits = backend.step(tok)?;
+                steps.push(t.elapsed().as_secs_f64() * 1e3);
+            }
         }
         if run > 0 {
             prefill_ms.push(pf);
@@ -147,6 +188,14 @@ pub fn run(a: BenchArgs) -> Result<()> {
         copy_gb_per_s,
         share_of_copy_bandwidth: copy_gb_per_s.map(|c| achieved / c),
         threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        mode: match (device, replays > 0) {
+            (true, true) => "device loop (graphs)",
+            (true, false) => "device loop (eager)",
+            (false, _) => "host loop",
+        }
+        .to_string(),
+        host_us_per_token: (replays > 0).then(|| enqueue_s / replays as f64 * 1e6),
+        capture_ms,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -155,7 +204,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("backend               {}  ({} cores)", r.backend, r.threads);
         println!("prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs);
         println!("prefill               {:.2} ms (median)", r.prefill_ms_median);
+        println!("mode                  {}", r.mode);
         println!("decode                {:.3} ms/token median, {:.3} p99", med, r.decode_ms_per_token_p99);
+        if let (Some(h), Some(c)) = (r.host_us_per_token, r.capture_ms) {
+            println!("host per token        {h:.2} µs to queue a replay; capture {c:.1} ms");
+        }
         println!("decode speed          {:.1} tok/s", r.decode_tok_per_s);
         println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
         if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
@@ -163,6 +216,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn all_reduce(a: &BenchArgs, opts: &ferrum_runner::session::SessionOptions) -> Result<()> {
+    match opts.device {
+        DeviceSpec::Cuda(first) => crate::bench_allreduce::run(first, opts.tp, a.hidden, a.json),
+        DeviceSpec::Cpu => bail!("--all-reduce measures NCCL: use --device cuda"),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn all_reduce(_: &BenchArgs, _: &ferrum_runner::session::SessionOptions) -> Result<()> {
+    bail!("--all-reduce needs CUDA: this ferrum was built without CUDA support; rebuild with `--features cuda`")
 }
 
 #[cfg(not(feature = "cuda"))]

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use ferrum_runner::session::{parse_dtype, DeviceSpec, SessionOptions};
+use ferrum_runner::session::{parse_dtype, DeviceSpec, DistOptions, SessionOptions};
 
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
@@ -21,6 +21,20 @@ pub struct ModelArgs {
     /// f32, f16 or bf16. Default: GGUF weights stay quantized on the CPU; bf16 on GPUs.
     #[arg(long)]
     pub dtype: Option<String>,
+    /// Multi-process TP: this process's rank (one process per GPU; GPU = (N of cuda:N + rank)
+    /// mod the GPU count). Needs --world-size and --rendezvous.
+    #[arg(long, requires_all = ["world_size", "rendezvous"])]
+    pub rank: Option<usize>,
+    /// Multi-process TP: number of processes (equals --tp).
+    #[arg(long, requires_all = ["rank", "rendezvous"])]
+    pub world_size: Option<usize>,
+    /// Multi-process TP: where rank 0 publishes NCCL's id: file:<path> or tcp:<host>:<port>.
+    #[arg(long, requires_all = ["rank", "world_size"])]
+    pub rendezvous: Option<String>,
+    /// Choose each token on the host after copying the logits back (the device loop, with the
+    /// whole step replayed as one CUDA graph, is the default on CUDA).
+    #[arg(long)]
+    pub host_loop: bool,
 }
 
 impl ModelArgs {
@@ -30,6 +44,18 @@ impl ModelArgs {
         if self.tp == 0 {
             anyhow::bail!("--tp must be at least 1");
         }
-        Ok(SessionOptions { model: self.model.clone(), device, tp: self.tp, dtype })
+        let dist = match (self.rank, self.world_size, &self.rendezvous) {
+            (Some(rank), Some(world_size), Some(rv)) => {
+                if world_size != self.tp {
+                    anyhow::bail!("--world-size {world_size} must equal --tp {}", self.tp);
+                }
+                if rank >= world_size {
+                    anyhow::bail!("--rank {rank} must be below --world-size {world_size}");
+                }
+                Some(DistOptions { rank, world_size, rendezvous: rv.clone() })
+            }
+            _ => None,
+        };
+        Ok(SessionOptions { model: self.model.clone(), device, tp: self.tp, dtype, dist })
     }
 }

@@ -7,8 +7,9 @@
 use candle_core::{DType, Tensor};
 use ferrum_cuda::{CudaDecodeRunner, CudaModelSpec, HostData, HostLayer, HostTensor, HostWeights};
 
-use crate::backend::DecodeBackend;
+use crate::backend::{drive_device_batches, DecodeBackend, DeviceRun, DeviceSampling};
 use crate::config::ModelConfig;
+use crate::cuda_rank::{CudaRank, DeviceLoopStats};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::session::SessionOptions;
@@ -25,6 +26,7 @@ pub fn cuda_error(e: ferrum_cuda::Error) -> Error {
             Error::ContextOverflow { position: len, capacity }
         }
         ferrum_cuda::Error::UnknownSequence(s) => Error::UnknownSequence(s),
+        ferrum_cuda::Error::Reduce(msg) => Error::Tp(msg),
         other => Error::Unavailable("CUDA", other.to_string()),
     }
 }
@@ -189,10 +191,11 @@ pub fn build_runner(
     CudaDecodeRunner::new(spec, &hw, dtype, ordinal, progress).map_err(cuda_error)
 }
 
-/// One sequence on one GPU, as a [`DecodeBackend`].
+/// One sequence on one GPU (or one rank of a multi-process group: then the runner's reducer
+/// is NCCL), as a [`DecodeBackend`]. Decodes through captured graphs by default.
 #[derive(Debug)]
 pub struct CudaBackend {
-    runner: CudaDecodeRunner,
+    rank: CudaRank,
     active: bool,
     pos: usize,
     logits: Vec<f32>,
@@ -208,29 +211,37 @@ impl CudaBackend {
             Ok(i) => format!("cuda:{} {} ({})", i.ordinal, runner.dtype().name(), i.name),
             Err(_) => format!("cuda {}", runner.dtype().name()),
         };
-        Self { runner, active: false, pos: 0, logits: Vec::new(), label }
+        Self { rank: CudaRank::new(runner, 0), active: false, pos: 0, logits: Vec::new(), label }
+    }
+    /// Wraps a rank of a multi-process group (its runner already has its NCCL reducer).
+    pub fn with_rank(rank: CudaRank, label: String) -> Self {
+        Self { rank, active: false, pos: 0, logits: Vec::new(), label }
     }
     /// The runner.
     pub fn runner(&mut self) -> &mut CudaDecodeRunner {
-        &mut self.runner
+        self.rank.runner()
+    }
+    /// The rank (graphs, counters, fault injection).
+    pub fn rank(&mut self) -> &mut CudaRank {
+        &mut self.rank
     }
 }
 
 impl DecodeBackend for CudaBackend {
     fn vocab_size(&self) -> usize {
-        self.runner.spec().vocab
+        self.rank.spec_vocab()
     }
 
     fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
         if self.active {
-            self.runner.release(SEQ).map_err(cuda_error)?;
+            self.rank.runner().release(SEQ).map_err(cuda_error)?;
             self.active = false;
         }
-        self.runner.init_sequence(SEQ, capacity).map_err(cuda_error)?;
+        self.rank.runner().init_sequence(SEQ, capacity).map_err(cuda_error)?;
         self.active = true;
-        self.runner.prefill(SEQ, tokens).map_err(cuda_error)?;
+        self.rank.runner().prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
-        self.runner.logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        self.rank.runner().logits_to_host(&mut self.logits).map_err(cuda_error)?;
         Ok(self.logits.clone())
     }
 
@@ -238,28 +249,71 @@ impl DecodeBackend for CudaBackend {
         if !self.active {
             return Err(Error::InvalidInput("step before prefill".into()));
         }
-        self.runner.decode_step(SEQ, token, self.pos).map_err(cuda_error)?;
+        self.rank.step(SEQ, token, self.pos)?;
         self.pos += 1;
-        self.runner.logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        self.rank.runner().logits_to_host(&mut self.logits).map_err(cuda_error)?;
         Ok(self.logits.clone())
     }
 
     fn describe(&self) -> String {
         self.label.clone()
     }
-}
 
-fn check_tp(opts: &SessionOptions) -> Result<()> {
-    if opts.tp > 1 {
-        return Err(Error::Tp("tensor parallelism on CUDA is not wired yet (use --tp 1)".into()));
+    fn has_device_decode(&self) -> bool {
+        true
     }
-    Ok(())
+
+    fn decode_on_device(
+        &mut self,
+        token: u32,
+        max_steps: usize,
+        sampling: DeviceSampling,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<DeviceRun> {
+        if !self.active {
+            return Err(Error::InvalidInput("decode before prefill".into()));
+        }
+        let before = self.rank.stats();
+        let pos0 = self.pos;
+        self.rank.device_begin(SEQ, token, pos0)?;
+        let rank = &mut self.rank;
+        let (kept, run) = drive_device_batches(max_steps, on_token, &mut |done, n| {
+            rank.device_steps(SEQ, pos0 + 1 + done, n, sampling)
+        })?;
+        self.rank.device_end(SEQ, pos0 + kept)?;
+        self.pos = pos0 + kept;
+        Ok(device_run(before, self.rank.stats(), kept, run, self.rank.graphed()))
+    }
 }
 
-/// Opens a loaded model on GPU `ordinal`.
+/// The [`DeviceRun`] between two snapshots of a rank's counters.
+pub(crate) fn device_run(
+    before: DeviceLoopStats,
+    after: DeviceLoopStats,
+    kept: usize,
+    run: usize,
+    graphed: bool,
+) -> DeviceRun {
+    DeviceRun {
+        kept,
+        run,
+        captures: after.captures - before.captures,
+        capture_time: after.capture_time - before.capture_time,
+        enqueue_time: after.enqueue_time - before.enqueue_time,
+        replays: if graphed { run as u64 } else { 0 },
+    }
+}
+
+/// Opens a loaded model on GPU `ordinal` (with `opts.tp > 1`: on GPUs `ordinal ..
+/// ordinal + tp` in one process; with `opts.dist`: this process's rank of a multi-process group).
 pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bool) -> Result<Box<dyn DecodeBackend>> {
-    check_tp(opts)?;
     let dtype = gpu_dtype(opts.dtype)?;
+    if let Some(dist) = &opts.dist {
+        return crate::cuda_tp::open_process_rank(&m.weights, ordinal, opts.tp, dist, dtype, progress);
+    }
+    if opts.tp > 1 {
+        return crate::cuda_tp::open_group(&m.weights, ordinal, opts.tp, dtype, progress);
+    }
     let mut last = 0u64;
     let mut cb = |done: u64, total: u64| {
         if progress && (done == total || done - last >= 1 << 30) {
@@ -270,16 +324,23 @@ pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bo
     Ok(Box::new(CudaBackend::new(build_runner(&m.weights, dtype, ordinal, &mut cb)?)))
 }
 
-/// Opens a random-weight model of shape `cfg` (weights generated on the GPU); also returns the
-/// weight bytes one decode step reads.
+/// Opens a random-weight model of shape `cfg` (weights generated on the GPU, TP shards as slices
+/// of the same model); also returns the weight bytes one decode step reads (per rank: the
+/// largest shard's).
 pub fn open_synthetic(
     cfg: &ModelConfig,
     ordinal: usize,
     opts: &SessionOptions,
 ) -> Result<(Box<dyn DecodeBackend>, u64)> {
-    check_tp(opts)?;
     cfg.validate()?;
     let dtype = gpu_dtype(opts.dtype)?;
+    if opts.dist.is_some() {
+        return Err(Error::InvalidInput("synthetic models run in one process (drop --rank/--world-size)".into()));
+    }
+    if opts.tp > 1 {
+        let backend = crate::cuda_tp::open_group_synthetic(cfg, ordinal, opts.tp, dtype)?;
+        return Ok((backend, crate::cuda_tp::shard_bytes_per_token(cfg, opts.tp)?));
+    }
     let runner = CudaDecodeRunner::random(spec_of(cfg), dtype, 0x5eed, ordinal).map_err(cuda_error)?;
     Ok((Box::new(CudaBackend::new(runner)), weight_bytes_per_token(cfg, opts)))
 }

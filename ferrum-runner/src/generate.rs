@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::backend::DecodeBackend;
+use crate::backend::{DecodeBackend, DeviceRun, DeviceSampling};
 use crate::error::{Error, Result};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -14,8 +14,27 @@ pub struct GenerateOptions {
     pub sampling: SamplingParams,
     /// Tokens that end the generation (not emitted).
     pub stop_ids: Vec<u32>,
-    /// Keep every step's logits (`steps × vocab`) for `--dump-logits`.
+    /// Keep every step's logits (`steps × vocab`) for `--dump-logits` (forces host steps).
     pub keep_logits: bool,
+    /// Let backends that can (CUDA) choose tokens on the device, with no host round trip per
+    /// token (greedy, or temperature-only sampling; top-k / top-p always sample on the host).
+    pub device_loop: bool,
+}
+
+impl GenerateOptions {
+    /// How the device can choose tokens for these settings, if it can.
+    pub fn device_sampling(&self) -> Option<DeviceSampling> {
+        let s = &self.sampling;
+        if self.keep_logits || !self.device_loop {
+            None
+        } else if s.is_greedy() {
+            Some(DeviceSampling::Greedy)
+        } else if s.top_k == 0 && s.top_p >= 1.0 {
+            Some(DeviceSampling::Temperature { temperature: s.temperature, seed: s.seed })
+        } else {
+            None
+        }
+    }
 }
 
 /// What a generation did, for the stderr report and `ferrum bench`.
@@ -31,6 +50,8 @@ pub struct GenerationStats {
     /// Row-major `steps × vocab` logits: row 0 from the prefill, row i from decode step i.
     pub logits: Vec<f32>,
     pub stopped_on_eos: bool,
+    /// Set when the tokens were chosen on the device (see [`GenerateOptions::device_loop`]).
+    pub device: Option<DeviceRun>,
 }
 
 impl GenerationStats {
@@ -78,6 +99,31 @@ pub fn generate(
     stats.prefill_time = t0.elapsed();
     let mut pos = prompt.len();
     let t1 = Instant::now();
+    if let (Some(sampling), true) = (opts.device_sampling(), backend.has_device_decode()) {
+        let tok = sampler.sample(&logits)?;
+        if opts.stop_ids.contains(&tok) {
+            stats.stopped_on_eos = true;
+            return Ok(stats);
+        }
+        stats.generated.push(tok);
+        on_token(tok)?;
+        // Fed positions pos .. pos + steps - 1 must fit the cache.
+        let max_steps = (opts.max_tokens - 1).min(capacity - pos);
+        let mut emit = |t: u32| -> Result<bool> {
+            if opts.stop_ids.contains(&t) {
+                stats.stopped_on_eos = true;
+                return Ok(false);
+            }
+            stats.generated.push(t);
+            on_token(t)?;
+            Ok(stats.generated.len() < opts.max_tokens)
+        };
+        let run = backend.decode_on_device(tok, max_steps, sampling, &mut emit)?;
+        stats.decode_steps = run.kept;
+        stats.device = Some(run);
+        stats.decode_time = t1.elapsed();
+        return Ok(stats);
+    }
     loop {
         if opts.keep_logits {
             stats.logits.extend_from_slice(&logits);

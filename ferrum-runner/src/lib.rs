@@ -16,6 +16,10 @@ pub mod config;
 pub mod cpu_quant;
 #[cfg(feature = "cuda")]
 pub mod cuda_backend;
+#[cfg(feature = "cuda")]
+pub mod cuda_rank;
+#[cfg(feature = "cuda")]
+pub mod cuda_tp;
 pub mod error;
 pub mod fetch;
 pub mod generate;
@@ -33,3 +37,7 @@ pub mod tp;
 pub mod weights;
 
 pub use error::{Error, Result};
+
+/// The environment variable that must be `0` on ferrum's GPU machines (no NVLink multicast);
+/// the `ferrum` binary sets it when unset.
+pub const NVLS_ENV: &str = "NCCL_NVLS_ENABLE";

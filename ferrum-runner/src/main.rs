@@ -13,6 +13,8 @@ use ferrum_runner::sampling::SamplingParams;
 use ferrum_runner::session::Session;
 
 mod bench;
+#[cfg(feature = "cuda")]
+mod bench_allreduce;
 mod cli;
 
 #[derive(Parser)]
@@ -67,6 +69,11 @@ fn main() {
         let n = std::thread::available_parallelism().map_or(1, |n| n.get());
         std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     }
+    // ferrum's GPU machines must never use NVLink multicast; NCCL reads this once, at its first
+    // communicator, so it is set here, before any thread exists (an explicit value wins).
+    if std::env::var_os(ferrum_runner::NVLS_ENV).is_none() {
+        std::env::set_var(ferrum_runner::NVLS_ENV, "0");
+    }
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Generate(a) => run_generate(a),
@@ -108,7 +115,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         sampling,
         stop_ids: s.tokenizer.eos_ids().to_vec(),
         keep_logits: a.dump_logits.is_some(),
+        device_loop: !a.model.host_loop,
     };
+    // In a multi-process run every rank generates the same tokens; rank 0 prints them.
+    let quiet = a.model.rank.is_some_and(|r| r != 0);
     let mut stream = s.tokenizer.stream_decoder();
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
@@ -125,6 +135,9 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             }
             return Ok(());
         }
+        if quiet {
+            return Ok(());
+        }
         if let Some(text) = stream.step(tok)? {
             // A closed stdout (e.g. `| head`) ends the generation quietly.
             let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
@@ -136,8 +149,13 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     }
     let _ = writeln!(out);
     drop(out);
+    let how = match &stats.device {
+        Some(d) if d.replays > 0 => format!("; tokens chosen on the GPU, {} graph replays", d.replays),
+        Some(_) => "; tokens chosen on the GPU, eager".to_string(),
+        None => String::new(),
+    };
     eprintln!(
-        "generated {} tokens{}; prefill {:.1} ms; decode {:.1} tok/s ({})",
+        "generated {} tokens{}; prefill {:.1} ms; decode {:.1} tok/s ({}{how})",
         stats.generated.len(),
         if stats.stopped_on_eos { " (stopped at EOS)" } else { "" },
         stats.prefill_time.as_secs_f64() * 1e3,

@@ -47,6 +47,17 @@ pub fn parse_dtype(s: &str) -> Result<DType> {
     }
 }
 
+/// This process's place in a multi-process tensor-parallel run (one process per GPU).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DistOptions {
+    /// This process's rank, `0 .. world_size`.
+    pub rank: usize,
+    /// Number of processes (= the TP degree).
+    pub world_size: usize,
+    /// How rank 0 hands NCCL's unique id to the others: `file:<path>` or `tcp:<host>:<port>`.
+    pub rendezvous: String,
+}
+
 /// How to open a session.
 #[derive(Debug, Clone)]
 pub struct SessionOptions {
@@ -57,11 +68,13 @@ pub struct SessionOptions {
     pub tp: usize,
     /// `None`: GGUF keeps its quantized weights on the CPU, HF folders use f32; bf16 on GPUs.
     pub dtype: Option<DType>,
+    /// One rank of a multi-process run (CUDA only), `None` for a one-process run.
+    pub dist: Option<DistOptions>,
 }
 
 impl Default for SessionOptions {
     fn default() -> Self {
-        Self { model: None, device: DeviceSpec::Cpu, tp: 1, dtype: None }
+        Self { model: None, device: DeviceSpec::Cpu, tp: 1, dtype: None, dist: None }
     }
 }
 
@@ -88,6 +101,9 @@ impl Session {
     pub fn open(opts: &SessionOptions, progress: bool) -> Result<Self> {
         if opts.tp == 0 {
             return Err(Error::InvalidInput("--tp must be at least 1".into()));
+        }
+        if opts.dist.is_some() && opts.device == DeviceSpec::Cpu {
+            return Err(Error::InvalidInput("--rank/--world-size run one process per GPU: use --device cuda".into()));
         }
         let t0 = Instant::now();
         let path = match &opts.model {

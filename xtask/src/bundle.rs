@@ -2,7 +2,10 @@
 //! into `bundle/` (git-ignored), for a GPU runner that has no Rust toolchain:
 //!
 //! - `gpu-tests-cuda`: ferrum-cuda's GPU test executable (`ferrum-cuda/tests/gpu.rs`);
-//! - `gpu-tests`: ferrum-runner's GPU test executable (`ferrum-runner/tests/gpu.rs`), when present;
+//! - `gpu-tests-nccl`, `gpu-tests-graph`: ferrum-nccl's and ferrum-graph's;
+//! - `gpu-tests`: ferrum-runner's GPU test executable (`ferrum-runner/tests/gpu.rs`);
+//! - `gpu-tests-tp`, `gpu-tests-tp-std`: ferrum-runner's graph / device-loop / TP tests
+//!   (`tests/gpu_tp.rs`), built with each TP barrier (spin-park, then `barrier-std`);
 //! - `ferrum`: the CLI;
 //! - `run-gpu-suite.sh`: runs every test executable with `--ignored --test-threads=1`
 //!   (extra arguments are passed on), with `NCCL_NVLS_ENABLE=0` exported.
@@ -85,10 +88,20 @@ set -u
 export NCCL_NVLS_ENABLE=0
 cd "$(dirname "$0")"
 status=0
-for t in gpu-tests-cuda gpu-tests-nccl gpu-tests-graph gpu-tests; do
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+skip=""
+if [ "$gpus" -lt 2 ]; then
+    echo "== $gpus GPU(s): the two-GPU tests (tp2_*, two_gpu*) are skipped"
+    skip="--skip tp2_ --skip two_gpu"
+fi
+for t in gpu-tests-cuda gpu-tests-nccl gpu-tests-graph gpu-tests gpu-tests-tp gpu-tests-tp-std; do
     [ -x "./$t" ] || continue
     echo "== $t"
-    "./$t" --ignored --test-threads=1 "$@" || status=1
+    filter=""
+    # The barrier-std build repeats only the two-GPU tests (the barrier is all that differs).
+    [ "$t" = gpu-tests-tp-std ] && filter="tp2_"
+    # shellcheck disable=SC2086
+    "./$t" --ignored --test-threads=1 $skip $filter "$@" || status=1
 done
 exit $status
 "#;
@@ -98,24 +111,29 @@ pub fn run(a: BundleArgs) -> Result<()> {
     let out = a.out.unwrap_or_else(|| root.join("bundle"));
     fs::create_dir_all(&out)?;
     let mut total = 0;
-    // (package, output name): every crate's `tests/gpu.rs`, each one release test executable.
-    let suites: &[(&str, &str)] = if a.cuda_only {
-        &[("ferrum-cuda", "gpu-tests-cuda")]
+    // (package, test target, output name, features): one release test executable each.
+    let suites: &[(&str, &str, &str, &str)] = if a.cuda_only {
+        &[("ferrum-cuda", "gpu", "gpu-tests-cuda", "cuda")]
     } else {
         &[
-            ("ferrum-cuda", "gpu-tests-cuda"),
-            ("ferrum-nccl", "gpu-tests-nccl"),
-            ("ferrum-graph", "gpu-tests-graph"),
-            ("ferrum-runner", "gpu-tests"),
+            ("ferrum-cuda", "gpu", "gpu-tests-cuda", "cuda"),
+            ("ferrum-nccl", "gpu", "gpu-tests-nccl", "cuda"),
+            ("ferrum-graph", "gpu", "gpu-tests-graph", "cuda"),
+            ("ferrum-runner", "gpu", "gpu-tests", "cuda"),
+            ("ferrum-runner", "gpu_tp", "gpu-tests-tp", "cuda"),
+            ("ferrum-runner", "gpu_tp", "gpu-tests-tp-std", "cuda,barrier-std"),
         ]
     };
-    for (pkg, name) in suites {
-        if !root.join(pkg).join("tests/gpu.rs").is_file() {
-            eprintln!("gpu-bundle: {pkg}/tests/gpu.rs does not exist; skipped");
+    for (pkg, test, name, features) in suites {
+        if !root.join(pkg).join(format!("tests/{test}.rs")).is_file() {
+            eprintln!("gpu-bundle: {pkg}/tests/{test}.rs does not exist; skipped");
             continue;
         }
-        let args = ["test", "--release", "-p", pkg, "--features", "cuda", "--test", "gpu", "--no-run"];
-        let t = one(cargo_executables(&args, true)?, &format!("{pkg}'s GPU tests"))?;
+        let mut args = vec!["test", "--release", "-p", pkg, "--features", features, "--test", test, "--no-run"];
+        if features.contains("barrier-std") {
+            args.push("--no-default-features");
+        }
+        let t = one(cargo_executables(&args, true)?, &format!("{pkg}'s {test} tests ({features})"))?;
         total += install(&t, &out.join(name))?;
     }
     if !a.cuda_only {

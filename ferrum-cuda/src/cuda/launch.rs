@@ -96,6 +96,15 @@ fn norm_block(hidden: usize) -> u32 {
     }
 }
 
+/// The device-fed step state the argmax updates: the decode step buffer `[token, position]`
+/// and the sequence's token history (`capacity + 1` entries, indexed by position).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Feed<'a> {
+    pub(crate) step: Region<'a, u32>,
+    pub(crate) history: Region<'a, u32>,
+    pub(crate) capacity: usize,
+}
+
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
     funcs: Vec<CudaFunction>,
@@ -436,14 +445,20 @@ impl Kernels {
         Ok(())
     }
 
-    /// Index of the largest of `n` logits into `out[0]` (smallest index on ties).
+    /// Index of the largest of `n` logits into `out[0]` (smallest index on ties); with
+    /// `sample = Some((inv_temp, seed))` a Gumbel-max draw from `softmax(logits * inv_temp)`
+    /// instead, hashed from (seed, the position in `feed.step[1]`). With `feed`, the token also
+    /// becomes the next device-fed step's input (see `ferrum_argmax_final`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn argmax(
         &self,
         logits: Region<'_, f32>,
         n: usize,
+        sample: Option<(f32, u64)>,
         part_v: Region<'_, f32>,
         part_i: Region<'_, u32>,
         out: Region<'_, u32>,
+        feed: Option<Feed<'_>>,
     ) -> Result<()> {
         let parts = n.div_ceil(ARGMAX_CHUNK);
         let pl = logits.need(n, "argmax logits")?;
@@ -451,26 +466,70 @@ impl Kernels {
         let pi = part_i.need(parts, "argmax part_i")?;
         let po = out.need(1, "argmax out")?;
         let (nn, chunk, np) = (i32_of(n, "n")?, ARGMAX_CHUNK as i32, i32_of(parts, "parts")?);
+        let (inv_temp, seed) = sample.unwrap_or((0.0, 0));
+        let (pstep, phist, cap) = match &feed {
+            Some(f) => (
+                f.step.need(2, "argmax step")?,
+                f.history.need(f.capacity + 1, "argmax history")?,
+                i32_of(f.capacity, "capacity")?,
+            ),
+            None => (0, 0, 0),
+        };
         let mut b = self.builder(Kernel::ArgmaxPartial);
-        b.arg(&pl).arg(&nn).arg(&chunk).arg(&pv).arg(&pi);
-        // SAFETY: block b reads logits[b*chunk .. min((b+1)*chunk, n)) and writes part[b] for
-        // b < parts = ceil(n/chunk); extents checked above.
+        b.arg(&pl).arg(&nn).arg(&chunk).arg(&inv_temp).arg(&seed).arg(&pstep).arg(&pv).arg(&pi);
+        // SAFETY: block b reads logits[b*chunk .. min((b+1)*chunk, n)), step[1] when step is
+        // non-null, and writes part[b] for b < parts = ceil(n/chunk); extents checked above.
         unsafe { b.launch(cfg((grid1(parts)?, 1, 1), 256)) }.map_err(Error::driver("argmax_partial"))?;
         let mut b = self.builder(Kernel::ArgmaxFinal);
-        b.arg(&pv).arg(&pi).arg(&np).arg(&po);
-        // SAFETY: one block reads part[0 .. parts) and writes out[0]; extents checked above.
+        b.arg(&pv).arg(&pi).arg(&np).arg(&po).arg(&pstep).arg(&phist).arg(&cap);
+        // SAFETY: one block reads part[0 .. parts) and writes out[0]; with a feed it reads and
+        // writes step[0..2] and writes history[i] only for i <= capacity (the kernel checks),
+        // and history holds capacity + 1 elements; extents checked above.
         unsafe { b.launch(cfg((1, 1, 1), 256)) }.map_err(Error::driver("argmax_final"))?;
         Ok(())
     }
 
-    /// Fills `out` with `offset + half_width * u`, `u` uniform in [-1, 1) hashed from (seed, index).
-    pub(crate) fn init_uniform(&self, out: Region<'_, u16>, seed: u64, offset: f32, half_width: f32) -> Result<()> {
-        let n = out.len as u64;
-        let po = out.need(out.len, "init out")?;
+    /// Launches `ferrum_argmax_final` with 2048 threads per block, which CUDA refuses at launch
+    /// (the limit is 1024): a genuine driver error for failure tests; the kernel never runs.
+    pub(crate) fn invalid_launch(&self) -> Result<()> {
+        let (null, zero) = (0u64, 0i32);
+        let mut b = self.builder(Kernel::ArgmaxFinal);
+        b.arg(&null).arg(&null).arg(&zero).arg(&null).arg(&null).arg(&null).arg(&zero);
+        // SAFETY: the launch is rejected by the driver before any thread runs (block of 2048 >
+        // 1024 threads), so the null pointers are never dereferenced; were it to run, n_parts
+        // = 0 and null step mean it would write out[0] only — it cannot run.
+        unsafe { b.launch(cfg((1, 1, 1), 2048)) }.map_err(Error::driver("injected launch (expected to fail)"))?;
+        Err(Error::Internal("a launch of 2048 threads per block was accepted".into()))
+    }
+
+    /// Fills `out` (`rows x cols`, row-major) with the slice at `(row0, col0)` of a random
+    /// matrix of `full_cols` columns whose element `e` is `offset + half_width * u`, `u`
+    /// uniform in [-1, 1) hashed from (seed, e). A vector is one row.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn init_uniform(
+        &self,
+        out: Region<'_, u16>,
+        rows: usize,
+        cols: usize,
+        full_cols: usize,
+        row0: usize,
+        col0: usize,
+        seed: u64,
+        offset: f32,
+        half_width: f32,
+    ) -> Result<()> {
+        if col0 + cols > full_cols {
+            return Err(Error::Internal(format!("init slice {col0}+{cols} past {full_cols} columns")));
+        }
+        let n = rows.checked_mul(cols).ok_or_else(|| Error::Internal("init size overflows".into()))?;
+        let po = out.need(n, "init out")?;
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        let (fc, r0, c0) = (full_cols as i64, row0 as i64, col0 as i64);
         let mut b = self.builder(pick(self.dtype, Kernel::InitUniformF16, Kernel::InitUniformBf16));
-        b.arg(&po).arg(&n).arg(&seed).arg(&offset).arg(&half_width);
-        let grid = grid1(out.len.div_ceil(256).min(65535))?;
-        // SAFETY: grid-stride writes out[k] for k < n = the region's length.
+        b.arg(&po).arg(&r).arg(&c).arg(&fc).arg(&r0).arg(&c0).arg(&seed).arg(&offset).arg(&half_width);
+        let grid = grid1(n.div_ceil(256).min(65535))?;
+        // SAFETY: grid-stride writes out[k] for k < rows*cols, the extent checked above; the
+        // argument list matches (T*, int, int, long long x3, u64, float, float).
         unsafe { b.launch(cfg((grid, 1, 1), 256)) }.map_err(Error::driver("init_uniform"))?;
         Ok(())
     }

@@ -2,10 +2,14 @@
 mod launch;
 
 use crate::error::{Error, Result};
-use crate::spec::{CopyBandwidth, CudaModelSpec, DType, DeviceInfo, HostTensor, HostWeights, Projection};
+use crate::spec::{
+    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, HostTensor, HostWeights, Projection, ShardRange,
+};
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, DriverError, ValidAsZeroBits};
-use launch::{region, whole, Kernels, Region};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
+};
+use launch::{region, whole, Feed, Kernels, Region};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -140,6 +144,19 @@ impl Reducer for NoReduce {
     }
 }
 
+/// The buffers and launch shapes a captured device-fed step bakes in (see
+/// [`CudaDecodeRunner::device_step_key`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DeviceStepKey {
+    k: u64,
+    v: u64,
+    history: u64,
+    capacity: usize,
+    n_splits: usize,
+    dtype: DType,
+    projection: Projection,
+}
+
 /// Logits of the last position, on the device (fp32, `vocab` of them).
 #[derive(Debug)]
 pub struct DeviceLogits {
@@ -238,6 +255,9 @@ struct Sequence {
     /// `[layers][kv_heads][capacity][head_dim]`
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
+    /// Tokens chosen on the device, by position (`capacity + 1` entries; see
+    /// [`CudaDecodeRunner::enqueue_device_step`]).
+    history: CudaSlice<u32>,
     capacity: usize,
     len: usize,
     /// KV splits of the decode attention (fixed per sequence, so the grid never changes).
@@ -258,6 +278,12 @@ pub struct CudaDecodeRunner {
     argmax_i: CudaSlice<u32>,
     argmax_out: CudaSlice<u32>,
     seqs: HashMap<u64, Sequence>,
+    /// The sequence whose device-fed decoding owns the decode step buffer (set by
+    /// [`CudaDecodeRunner::device_decode_begin`], cleared by anything else that writes it).
+    fed: Option<u64>,
+    /// Pinned host buffer the token read-back copies into, and how many it last received.
+    readback: Option<PinnedHostSlice<u32>>,
+    readback_len: usize,
     reducer: Box<dyn Reducer>,
     projection: Projection,
     sms: usize,
@@ -475,34 +501,111 @@ impl CudaDecodeRunner {
     /// A runner with random weights generated on the GPU (no host copy): matrices uniform with
     /// std 0.02, norms uniform in [0.9, 1.1], biases like matrices. Deterministic in `seed`.
     pub fn random(spec: CudaModelSpec, dtype: DType, seed: u64, device: usize) -> Result<Self> {
+        let whole = ShardRange::whole(&spec);
+        Self::random_shard(&spec, &whole, dtype, seed, device)
+    }
+
+    /// One tensor-parallel rank's shard (`range`) of the random model that [`random`](Self::random)
+    /// makes for the whole spec `full` with the same seed: every element is hashed from its
+    /// index in the whole tensor, so the shards of TP2 are exactly slices of the TP1 model.
+    pub fn random_shard(
+        full: &CudaModelSpec,
+        range: &ShardRange,
+        dtype: DType,
+        seed: u64,
+        device: usize,
+    ) -> Result<Self> {
+        let spec = full.shard(range)?;
         let Setup { ctx, k, sms } = setup(&spec, dtype, device)?;
-        let s = &spec;
-        let mut counter = 0u64;
-        let mut gen = |n: usize, what: &str, offset: f32, hw: f32| -> Result<CudaSlice<u16>> {
-            let buf = alloc::<u16>(&ctx, &k.stream, n, what)?;
-            counter += 1;
-            let seed = seed ^ counter.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            k.init_uniform(whole(&buf, &k.stream)?, seed, offset, hw)?;
-            Ok(buf)
+        let (f, hd, h) = (full, full.head_dim, full.hidden);
+        let (q0, kv0, ff0) =
+            (range.q_heads(f.heads / f.kv_heads).start * hd, range.kv_heads.start * hd, range.ffn.start);
+        let (qn, kvn, ffn) = (spec.q_dim(), spec.kv_dim(), spec.intermediate);
+        let st = &k.stream;
+        // (layer, tensor) -> seed; the same for every rank.
+        let tseed = |layer: usize, id: u64| {
+            seed ^ ((layer as u64) << 8 | id).wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
         };
         let mat = MATRIX_HALF_WIDTH;
-        let embed = gen(s.vocab * s.hidden, "embedding", 0.0, mat)?;
-        let mut layers = Vec::with_capacity(s.layers);
-        for _ in 0..s.layers {
+        // One slice `rows x cols` at (row0, col0) of a whole tensor with `full_cols` columns.
+        struct Part {
+            rows: usize,
+            cols: usize,
+            full_cols: usize,
+            row0: usize,
+            col0: usize,
+            seed: u64,
+        }
+        let gen = |parts: &[Part], what: &str, offset: f32, hw: f32| -> Result<CudaSlice<u16>> {
+            let n = parts.iter().map(|p| p.rows * p.cols).sum();
+            let buf = alloc::<u16>(&ctx, st, n, what)?;
+            let mut off = 0;
+            for p in parts {
+                let r = region(&buf, st, off, p.rows * p.cols)?;
+                k.init_uniform(r, p.rows, p.cols, p.full_cols, p.row0, p.col0, p.seed, offset, hw)?;
+                off += p.rows * p.cols;
+            }
+            Ok(buf)
+        };
+        let vec = |len: usize, seed: u64| Part { rows: 1, cols: len, full_cols: len, row0: 0, col0: 0, seed };
+        let rows = |rows: usize, cols: usize, row0: usize, seed: u64| Part {
+            rows,
+            cols,
+            full_cols: cols,
+            row0,
+            col0: 0,
+            seed,
+        };
+        let cols = |rows: usize, cols: usize, full_cols: usize, col0: usize, seed: u64| Part {
+            rows,
+            cols,
+            full_cols,
+            row0: 0,
+            col0,
+            seed,
+        };
+        let slice = |len: usize, full: usize, start: usize, seed: u64| Part {
+            rows: 1,
+            cols: len,
+            full_cols: full,
+            row0: 0,
+            col0: start,
+            seed,
+        };
+        let (fq, fkv) = (f.q_dim(), f.kv_dim());
+        let embed = gen(&[rows(f.vocab, h, 0, tseed(0, 1))], "embedding", 0.0, mat)?;
+        let mut layers = Vec::with_capacity(f.layers);
+        for l in 1..=f.layers {
+            let t = |id| tseed(l, id);
             layers.push(LayerW {
-                attn_norm: gen(s.hidden, "attn norm", 1.0, NORM_HALF_WIDTH)?,
-                wqkv: gen(s.qkv_dim() * s.hidden, "qkv weights", 0.0, mat)?,
-                bqkv: if s.qkv_bias { Some(gen(s.qkv_dim(), "qkv bias", 0.0, mat)?) } else { None },
-                q_norm: if s.qk_norm { Some(gen(s.head_dim, "q norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
-                k_norm: if s.qk_norm { Some(gen(s.head_dim, "k norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
-                wo: gen(s.hidden * s.q_dim(), "o weights", 0.0, mat)?,
-                mlp_norm: gen(s.hidden, "mlp norm", 1.0, NORM_HALF_WIDTH)?,
-                wgu: gen(2 * s.intermediate * s.hidden, "gate|up weights", 0.0, mat)?,
-                wdown: gen(s.hidden * s.intermediate, "down weights", 0.0, mat)?,
+                attn_norm: gen(&[vec(h, t(1))], "attn norm", 1.0, NORM_HALF_WIDTH)?,
+                wqkv: gen(
+                    &[rows(qn, h, q0, t(2)), rows(kvn, h, kv0, t(3)), rows(kvn, h, kv0, t(4))],
+                    "qkv weights",
+                    0.0,
+                    mat,
+                )?,
+                bqkv: if f.qkv_bias {
+                    Some(gen(
+                        &[slice(qn, fq, q0, t(5)), slice(kvn, fkv, kv0, t(6)), slice(kvn, fkv, kv0, t(7))],
+                        "qkv bias",
+                        0.0,
+                        mat,
+                    )?)
+                } else {
+                    None
+                },
+                q_norm: if f.qk_norm { Some(gen(&[vec(hd, t(8))], "q norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
+                k_norm: if f.qk_norm { Some(gen(&[vec(hd, t(9))], "k norm", 1.0, NORM_HALF_WIDTH)?) } else { None },
+                wo: gen(&[cols(h, qn, fq, q0, t(10))], "o weights", 0.0, mat)?,
+                mlp_norm: gen(&[vec(h, t(11))], "mlp norm", 1.0, NORM_HALF_WIDTH)?,
+                wgu: gen(&[rows(ffn, h, ff0, t(12)), rows(ffn, h, ff0, t(13))], "gate|up weights", 0.0, mat)?,
+                wdown: gen(&[cols(h, ffn, f.intermediate, ff0, t(14))], "down weights", 0.0, mat)?,
             });
         }
-        let final_norm = gen(s.hidden, "final norm", 1.0, NORM_HALF_WIDTH)?;
-        let lm_head = if s.tied_embeddings { None } else { Some(gen(s.vocab * s.hidden, "lm head", 0.0, mat)?) };
+        let final_norm = gen(&[vec(h, tseed(0, 2))], "final norm", 1.0, NORM_HALF_WIDTH)?;
+        let lm_head =
+            if f.tied_embeddings { None } else { Some(gen(&[rows(f.vocab, h, 0, tseed(0, 3))], "lm head", 0.0, mat)?) };
         let w = Weights { embed, layers, final_norm, lm_head };
         Self::finish(spec, ctx, k, w, sms)
     }
@@ -531,6 +634,9 @@ impl CudaDecodeRunner {
             argmax_i,
             argmax_out,
             seqs: HashMap::new(),
+            fed: None,
+            readback: None,
+            readback_len: 0,
             reducer: Box::new(NoReduce),
             projection: Projection::default(),
             sms,
@@ -593,15 +699,19 @@ impl CudaDecodeRunner {
         let k = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
         let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
         let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
+        let history = alloc::<u32>(&self.ctx, &self.k.stream, capacity + 1, "token history")?;
         // Fixed split count per sequence: about two blocks per SM over the heads, at least 64
         // rows per split, at most MAX_SPLITS. The kernel spreads the current length over them.
         let n_splits = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64)).clamp(1, MAX_SPLITS);
-        self.seqs.insert(seq, Sequence { k, v, capacity, len: 0, n_splits });
+        self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
     }
 
     /// Frees sequence `seq`'s KV cache.
     pub fn release(&mut self, seq: u64) -> Result<()> {
+        if self.fed == Some(seq) {
+            self.fed = None;
+        }
         self.seqs.remove(&seq).map(|_| ()).ok_or(Error::UnknownSequence(seq))
     }
 
@@ -618,6 +728,23 @@ impl CudaDecodeRunner {
     fn check_token(&self, token: u32) -> Result<()> {
         if token as usize >= self.spec.vocab {
             return Err(Error::TokenOutOfRange { token, vocab: self.spec.vocab });
+        }
+        Ok(())
+    }
+
+    /// Checks that `token` may be decoded at `position` of `seq` (a known sequence, a position
+    /// at most its length and below its capacity).
+    fn check_step(&self, seq: u64, token: u32, position: usize) -> Result<()> {
+        self.check_token(token)?;
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if position >= s.capacity {
+            if position == s.len {
+                return Err(Error::CapacityExhausted { seq, len: s.len, capacity: s.capacity, asked: 1 });
+            }
+            return Err(Error::PositionOutOfRange { seq, position, capacity: s.capacity });
+        }
+        if position > s.len {
+            return Err(Error::PositionGap { seq, position, len: s.len });
         }
         Ok(())
     }
@@ -675,19 +802,11 @@ impl CudaDecodeRunner {
     /// device). Nothing is allocated; the token and position go to a small device buffer that
     /// the kernels read, so the launches do not depend on them.
     pub fn decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<&DeviceLogits> {
-        self.check_token(token)?;
-        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        if position >= s.capacity {
-            if position == s.len {
-                return Err(Error::CapacityExhausted { seq, len: s.len, capacity: s.capacity, asked: 1 });
-            }
-            return Err(Error::PositionOutOfRange { seq, position, capacity: s.capacity });
-        }
-        if position > s.len {
-            return Err(Error::PositionGap { seq, position, len: s.len });
-        }
+        self.check_step(seq, token, position)?;
         let step = [token, position as u32];
         self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
+        self.fed = None;
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         forward(
             &self.k,
             &self.spec,
@@ -727,7 +846,7 @@ impl CudaDecodeRunner {
         let xh = alloc::<u16>(&self.ctx, st, cols, "projection timing (x)")?;
         let mut x = alloc::<f32>(&self.ctx, st, cols, "projection timing (x)")?;
         let y = alloc::<f32>(&self.ctx, st, rows, "projection timing (y)")?;
-        self.k.init_uniform(whole(&w, st)?, 1, 0.0, MATRIX_HALF_WIDTH)?;
+        self.k.init_uniform(whole(&w, st)?, rows, cols, cols, 0, 0, 1, 0.0, MATRIX_HALF_WIDTH)?;
         let mut r = 0x2545_f491_4f6c_dd1du64;
         let xs: Vec<f32> = (0..cols)
             .map(|_| {
@@ -765,14 +884,159 @@ impl CudaDecodeRunner {
         self.k.argmax(
             whole(&self.logits.buf, st)?,
             self.spec.vocab,
+            None,
             whole(&self.argmax_v, st)?,
             whole(&self.argmax_i, st)?,
             whole(&self.argmax_out, st)?,
+            None,
         )?;
         let mut out = [0u32];
         st.memcpy_dtoh(&self.argmax_out, &mut out).map_err(Error::driver("copying argmax"))?;
         self.synchronize()?;
         Ok(out[0])
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Device-fed decoding: the step's token and position live in the decode step buffer, and
+    // each step's own argmax (or Gumbel-max sample) writes the next token and position there,
+    // so N steps run as N graph replays with no host round trip.
+    //
+    //   device_decode_begin(seq, token, pos)     host -> device: [token, pos]   (not capturable)
+    //   enqueue_device_step(seq, sampling)  x N  forward + pick + advance       (capturable)
+    //   enqueue_token_readback(seq, from, n)     history[from..from+n] -> pinned host buffer
+    //   token_readback(n)                        waits for that copy, returns the tokens
+    //   device_decode_end(seq, len)              the host's bookkeeping: len tokens are kept
+    // -----------------------------------------------------------------------------------------
+
+    /// Starts device-fed decoding of `seq`: `token` at `position` (the same checks as
+    /// [`decode_step`](Self::decode_step)) is written to the decode step buffer, and the
+    /// sequence's length becomes `position` (KV entries past it are overwritten). Enqueued on
+    /// the runner's stream (asynchronous); not allowed while the stream captures.
+    pub fn device_decode_begin(&mut self, seq: u64, token: u32, position: usize) -> Result<()> {
+        self.check_step(seq, token, position)?;
+        let step = [token, position as u32];
+        self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.len = position;
+        self.fed = Some(seq);
+        Ok(())
+    }
+
+    /// Enqueues one device-fed decode step of `seq` (after
+    /// [`device_decode_begin`](Self::device_decode_begin)): the whole forward pass reading the
+    /// token and position from the step buffer, then the choice of the next token (greedy or
+    /// sampled), which goes to the step buffer (the next step's input), to the sequence's token
+    /// history at the next position, and to the position, advanced by one while below the
+    /// capacity. Only enqueues kernels (and the reducer's collectives): no host copy, no
+    /// allocation, no synchronisation, so a CUDA graph can capture it and replay it for every
+    /// position. The host's length bookkeeping is left to
+    /// [`device_decode_end`](Self::device_decode_end); the kernels never touch KV entries at or
+    /// past the capacity, however many steps run.
+    pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
+        if self.fed != Some(seq) {
+            return Err(Error::InvalidArgument(format!(
+                "device-fed step of sequence {seq} without device_decode_begin for it"
+            )));
+        }
+        let sample = sampling.kernel_args()?;
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        forward(
+            &self.k,
+            &self.spec,
+            &self.w,
+            &self.inv_freq,
+            &mut self.decode,
+            s,
+            1,
+            true,
+            self.projection,
+            self.reducer.as_mut(),
+            &mut self.logits.buf,
+        )?;
+        let st = &self.k.stream;
+        let feed = Feed { step: whole(&self.decode.step, st)?, history: whole(&s.history, st)?, capacity: s.capacity };
+        self.k.argmax(
+            whole(&self.logits.buf, st)?,
+            self.spec.vocab,
+            sample,
+            whole(&self.argmax_v, st)?,
+            whole(&self.argmax_i, st)?,
+            whole(&self.argmax_out, st)?,
+            Some(feed),
+        )
+    }
+
+    /// What a captured device-fed step of `seq` references that can change between sequences:
+    /// use it (with the sampling mode) as the graph-cache key, so a graph is re-captured exactly
+    /// when a new KV cache lands at another address or has another capacity.
+    pub fn device_step_key(&self, seq: u64) -> Result<DeviceStepKey> {
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let st = &self.k.stream;
+        let ptr = |b: &CudaSlice<u16>| b.device_ptr(st).0;
+        Ok(DeviceStepKey {
+            k: ptr(&s.k),
+            v: ptr(&s.v),
+            history: s.history.device_ptr(st).0,
+            capacity: s.capacity,
+            n_splits: s.n_splits,
+            dtype: self.k.dtype,
+            projection: self.projection,
+        })
+    }
+
+    /// Enqueues the copy of the device-chosen tokens at positions `first .. first + n` of `seq`
+    /// into the runner's pinned host buffer (asynchronous; read them with
+    /// [`token_readback`](Self::token_readback)). Not capturable (a host copy).
+    pub fn enqueue_token_readback(&mut self, seq: u64, first: usize, n: usize) -> Result<()> {
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let end = first.checked_add(n).filter(|&e| e <= s.capacity + 1 && n > 0).ok_or_else(|| {
+            Error::InvalidArgument(format!("token read-back {first}+{n} of a {}-token history", s.capacity + 1))
+        })?;
+        if self.readback.as_ref().is_none_or(|b| b.len() < n) {
+            // SAFETY: the pinned buffer is only read after the copy below fills the part that
+            // is read (token_readback reads at most the `n` last copied); u32 has no invalid
+            // bit patterns anyway.
+            let buf = unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n.max(64), 0) }
+                .map_err(Error::driver("cuMemHostAlloc (token read-back)"))?;
+            self.readback = Some(buf);
+        }
+        let dst = self.readback.as_mut().ok_or_else(|| Error::Internal("read-back buffer".into()))?;
+        let src = s.history.slice(first..end);
+        // `dst` holds at least `n` elements (cudarc copies `src.len()` = n of them).
+        self.k.stream.memcpy_dtoh(&src, dst).map_err(Error::driver("token read-back"))?;
+        self.readback_len = n;
+        Ok(())
+    }
+
+    /// Waits for the last [`enqueue_token_readback`](Self::enqueue_token_readback) and returns
+    /// its tokens (also surfaces any error of the work enqueued before it).
+    pub fn token_readback(&mut self) -> Result<&[u32]> {
+        let n = self.readback_len;
+        let buf = self.readback.as_ref().ok_or_else(|| Error::InvalidArgument("no token read-back enqueued".into()))?;
+        let all = buf.as_slice().map_err(Error::driver("token read-back"))?;
+        Ok(&all[..n.min(all.len())])
+    }
+
+    /// Fault injection for failure tests: enqueues a kernel launch that CUDA rejects (a block of
+    /// 2048 threads) and returns the driver's genuine error. Nothing is written.
+    #[doc(hidden)]
+    pub fn inject_launch_failure(&self) -> Result<()> {
+        self.k.invalid_launch()
+    }
+
+    /// Ends (or checkpoints) device-fed decoding of `seq`: the sequence keeps `len` tokens
+    /// (from the position given to `device_decode_begin` to at most its capacity). Steps run
+    /// past `len` are discarded (their KV entries are overwritten later).
+    pub fn device_decode_end(&mut self, seq: u64, len: usize) -> Result<()> {
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if len < s.len || len > s.capacity {
+            return Err(Error::InvalidArgument(format!(
+                "device-fed decoding of sequence {seq} began at {} and cannot keep {len} of {} tokens",
+                s.len, s.capacity
+            )));
+        }
+        s.len = len;
+        Ok(())
     }
 }
 

@@ -1,0 +1,230 @@
+//! One GPU's share of decoding: a [`CudaDecodeRunner`] plus its captured decode graphs.
+//!
+//! The same [`CudaRank`] serves the single-GPU backend, each thread of the in-process
+//! tensor-parallel group ([`crate::cuda_tp`]) and each process of a multi-process run (those two
+//! with an NCCL reducer installed in the runner, so the all-reduces are captured too).
+//!
+//! # Device-fed decoding
+//!
+//! ```text
+//! device_begin(seq, t0, pos0)            host -> device: [t0, pos0]
+//! device_steps(seq, first, n) x batches  n graph replays (captured on first use), then the
+//!                                        read-back of the n tokens they chose; waits for them
+//! device_end(seq, pos0 + kept)           steps run past what the caller kept are discarded
+//! ```
+//!
+//! Each replay runs the whole step — every layer, the reductions, the LM head and the choice
+//! of the next token, which its last kernel writes back as the next replay's input — so the
+//! host only enqueues replays and reads tokens back once per batch.
+
+use std::time::{Duration, Instant};
+
+use ferrum_cuda::{CudaDecodeRunner, DeviceSampling, DeviceStepKey};
+use ferrum_graph::DecodeGraphCache;
+
+use crate::error::{Error, Result};
+
+/// Graphs kept per rank (one per live sequence buffer set and sampling mode).
+const GRAPH_CACHE: usize = 4;
+
+/// What a captured step depends on besides the runner's fixed buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct GraphKey {
+    step: DeviceStepKey,
+    /// `(1/T bits, seed)` when sampling on the device, `None` when greedy.
+    sampling: Option<(u32, u64)>,
+}
+
+/// Counters of device-fed decoding on one rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DeviceLoopStats {
+    /// Graphs captured.
+    pub captures: u64,
+    /// Time spent capturing, instantiating and uploading them.
+    pub capture_time: Duration,
+    /// Device-fed steps run (replayed, or enqueued eagerly).
+    pub steps: u64,
+    /// Host time inside the replay calls: from the call to the replay being queued.
+    pub enqueue_time: Duration,
+}
+
+/// A failure to inject on purpose (failure tests): on rank `rank`, when it is asked to run
+/// past `after_steps` decode steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub rank: usize,
+    pub after_steps: u64,
+    pub kind: FaultKind,
+}
+
+/// What the injected failure is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultKind {
+    /// A kernel launch that CUDA rejects (a genuine driver error).
+    CudaLaunch,
+    /// The rank's NCCL communicator is aborted, then the step runs: its all-reduce fails with
+    /// NCCL's error while the peers wait in theirs.
+    NcclAbort,
+    /// The rank's thread panics.
+    Panic,
+}
+
+/// One GPU's runner and decode graphs.
+pub struct CudaRank {
+    /// Declared before the runner: graphs are destroyed before the buffers they reference.
+    graphs: DecodeGraphCache<GraphKey>,
+    runner: CudaDecodeRunner,
+    /// Replay captured graphs (default) or enqueue every kernel eagerly.
+    graphed: bool,
+    stats: DeviceLoopStats,
+    rank: usize,
+    fault: Option<Fault>,
+    /// Aborts this rank's communicator (for [`FaultKind::NcclAbort`]).
+    abort: Option<Box<dyn Fn() + Send>>,
+}
+
+impl std::fmt::Debug for CudaRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaRank")
+            .field("rank", &self.rank)
+            .field("runner", &self.runner)
+            .field("graphed", &self.graphed)
+            .field("stats", &self.stats)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Maps ferrum-graph's errors onto ferrum-runner's.
+fn graph_error(e: ferrum_graph::GraphError) -> Error {
+    Error::Unavailable("CUDA graph", e.to_string())
+}
+
+impl CudaRank {
+    /// Wraps the runner of rank `rank` (0 on one GPU). Graphs are on.
+    pub fn new(runner: CudaDecodeRunner, rank: usize) -> Self {
+        Self {
+            graphs: DecodeGraphCache::new(GRAPH_CACHE),
+            runner,
+            graphed: true,
+            stats: DeviceLoopStats::default(),
+            rank,
+            fault: None,
+            abort: None,
+        }
+    }
+
+    /// The runner.
+    pub fn runner(&mut self) -> &mut CudaDecodeRunner {
+        &mut self.runner
+    }
+
+    /// The vocabulary size.
+    pub fn spec_vocab(&self) -> usize {
+        self.runner.spec().vocab
+    }
+
+    /// Whether device-fed steps replay graphs.
+    pub fn graphed(&self) -> bool {
+        self.graphed
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Replay captured graphs (`true`, the default) or enqueue each kernel (`false`).
+    pub fn set_graphed(&mut self, graphed: bool) {
+        self.graphed = graphed;
+    }
+
+    /// Device-fed decoding counters.
+    pub fn stats(&self) -> DeviceLoopStats {
+        self.stats
+    }
+
+    /// Arms a failure for tests (it fires on this rank only if `fault.rank` is this rank).
+    pub fn set_fault(&mut self, fault: Option<Fault>, abort: Option<Box<dyn Fn() + Send>>) {
+        self.fault = fault.filter(|f| f.rank == self.rank);
+        self.abort = abort;
+    }
+
+    /// Fires the armed fault if `n` more steps would run past it.
+    fn maybe_fail(&mut self, n: u64) -> Result<()> {
+        let Some(f) = self.fault else { return Ok(()) };
+        if self.stats.steps + n <= f.after_steps {
+            return Ok(());
+        }
+        self.fault = None;
+        tracing::warn!(rank = self.rank, kind = ?f.kind, "injecting a failure");
+        match f.kind {
+            FaultKind::CudaLaunch => self.runner.inject_launch_failure().map_err(crate::cuda_backend::cuda_error),
+            FaultKind::NcclAbort => {
+                if let Some(abort) = &self.abort {
+                    abort();
+                }
+                Ok(()) // the step's all-reduce now fails
+            }
+            FaultKind::Panic => panic!("injected panic on rank {}", self.rank),
+        }
+    }
+
+    /// One host-fed eager step (the path that returns logits every step).
+    pub fn step(&mut self, seq: u64, token: u32, position: usize) -> Result<()> {
+        self.maybe_fail(1)?;
+        self.stats.steps += 1;
+        self.runner.decode_step(seq, token, position).map(|_| ()).map_err(crate::cuda_backend::cuda_error)
+    }
+
+    /// Starts device-fed decoding of `seq` from `token` at `position`.
+    pub fn device_begin(&mut self, seq: u64, token: u32, position: usize) -> Result<()> {
+        self.runner.device_decode_begin(seq, token, position).map_err(crate::cuda_backend::cuda_error)
+    }
+
+    /// Runs `n` device-fed steps of `seq` and returns the `n` tokens they chose (those at
+    /// positions `first .. first + n`, `first` being one past the position of the first step).
+    /// Waits for the GPU once, at the end.
+    pub fn device_steps(&mut self, seq: u64, first: usize, n: usize, sampling: DeviceSampling) -> Result<Vec<u32>> {
+        self.maybe_fail(n as u64)?;
+        let cuda = crate::cuda_backend::cuda_error;
+        if self.graphed {
+            let key = GraphKey {
+                step: self.runner.device_step_key(seq).map_err(cuda)?,
+                sampling: sampling.kernel_args().map_err(cuda)?.map(|(t, s)| (t.to_bits(), s)),
+            };
+            let stream = self.runner.stream().clone();
+            let t0 = Instant::now();
+            let runner = &mut self.runner;
+            let mut captured = false;
+            let graph = self
+                .graphs
+                .get_or_capture(key, &stream, |_scope| {
+                    captured = true;
+                    runner.enqueue_device_step(seq, sampling)
+                })
+                .map_err(graph_error)?;
+            if captured {
+                graph.upload(&stream).map_err(graph_error)?;
+                self.stats.captures += 1;
+                self.stats.capture_time += t0.elapsed();
+            }
+            for _ in 0..n {
+                let t = Instant::now();
+                graph.replay(&stream).map_err(graph_error)?;
+                self.stats.enqueue_time += t.elapsed();
+            }
+        } else {
+            for _ in 0..n {
+                self.runner.enqueue_device_step(seq, sampling).map_err(cuda)?;
+            }
+        }
+        self.stats.steps += n as u64;
+        self.runner.enqueue_token_readback(seq, first, n).map_err(cuda)?;
+        Ok(self.runner.token_readback().map_err(cuda)?.to_vec())
+    }
+
+    /// Ends device-fed decoding: `seq` keeps `len` tokens.
+    pub fn device_end(&mut self, seq: u64, len: usize) -> Result<()> {
+        self.runner.device_decode_end(seq, len).map_err(crate::cuda_backend::cuda_error)
+    }
+}

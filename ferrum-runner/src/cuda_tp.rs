@@ -1,0 +1,419 @@
+//! Tensor parallelism on GPUs: one [`CudaRank`] per GPU with an NCCL reducer, either all in
+//! this process (ferrum-tp's [`TpDecodeGroup`], one persistent thread per GPU) or one rank per
+//! process (`--rank / --world-size / --rendezvous`, the path to several machines).
+//!
+//! Sharding is the same pass as on the CPU ([`crate::shard`]): whole KV groups per rank (uneven
+//! when the ranks do not divide the KV heads), MLP columns split evenly, embeddings, norms and
+//! the LM head replicated. Each rank sums its two per-layer partial results with an in-place
+//! NCCL all-reduce on its stream, which the rank's decode graph captures; NCCL hands every rank
+//! the same sums, so every rank computes the same logits and chooses the same tokens.
+//!
+//! **Failure.** Any rank error or panic poisons the group (ferrum-tp returns it at once, naming
+//! the rank); this backend then aborts every rank's communicator, so peers blocked in an
+//! all-reduce on the GPU return, and the group's threads can be joined when it is dropped.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ferrum_cuda::{CudaDecodeRunner, ReduceBuf, Reducer, ShardRange};
+use ferrum_nccl::{AbortHandle, NcclRank, Rendezvous, RendezvousOptions};
+use ferrum_tp::{RankContext, RankWorker, SequenceId, StepInput, TpConfig, TpDecodeGroup, TpError};
+use parking_lot::Mutex;
+
+use crate::backend::{drive_device_batches, DecodeBackend, DeviceRun, DeviceSampling};
+use crate::config::ModelConfig;
+use crate::cuda_backend::{build_runner, cuda_error, device_run, spec_of, CudaBackend};
+use crate::cuda_rank::{CudaRank, Fault};
+use crate::error::{Error, Result};
+use crate::session::DistOptions;
+use crate::weights::ModelWeights;
+
+fn nccl_error(e: ferrum_nccl::Error) -> Error {
+    Error::Tp(format!("NCCL: {e}"))
+}
+
+/// Sums the runner's partial results over the ranks with NCCL (in place, on the runner's
+/// stream: graph-capturable).
+#[derive(Debug)]
+pub struct NcclReducer {
+    rank: Arc<NcclRank>,
+}
+
+impl NcclReducer {
+    /// A reducer over `rank`'s communicator.
+    pub fn new(rank: Arc<NcclRank>) -> Self {
+        Self { rank }
+    }
+}
+
+impl Reducer for NcclReducer {
+    fn all_reduce(&mut self, buf: ReduceBuf<'_>) -> ferrum_cuda::Result<()> {
+        let mut view = buf.data.slice_mut(0..buf.len);
+        self.rank
+            .all_reduce_sum_in_place(&mut view, buf.stream)
+            .map_err(|e| ferrum_cuda::Error::Reduce(format!("rank {}: {e}", self.rank.rank())))
+    }
+}
+
+/// One GPU of an in-process group.
+pub struct CudaTpWorker {
+    rank: CudaRank,
+    nccl: Arc<NcclRank>,
+    /// KV capacity for the next `kv_init` (set by the driver before the command).
+    capacity: Arc<AtomicUsize>,
+    /// Rank 0's logits of the last host-fed step or prefill.
+    out: Arc<Mutex<Vec<f32>>>,
+}
+
+impl std::fmt::Debug for CudaTpWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTpWorker").field("rank", &self.rank).finish_non_exhaustive()
+    }
+}
+
+impl CudaTpWorker {
+    /// Rank 0 copies its logits out (waiting for the GPU); the others wait for their stream, so
+    /// their errors surface in this round too.
+    fn publish(&mut self, ctx: &RankContext) -> Result<()> {
+        if ctx.rank() == 0 {
+            let mut out = self.out.lock();
+            self.rank.runner().logits_to_host(&mut out).map_err(cuda_error)
+        } else {
+            self.rank.runner().synchronize().map_err(cuda_error)
+        }
+    }
+
+    fn prefill(&mut self, ctx: &RankContext, seq: SequenceId, tokens: &[u32]) -> Result<()> {
+        self.rank.runner().prefill(seq.0, tokens).map_err(cuda_error)?;
+        self.publish(ctx)
+    }
+}
+
+impl RankWorker for CudaTpWorker {
+    type Error = Error;
+
+    fn decode_step(&mut self, ctx: &RankContext, step: StepInput) -> Result<()> {
+        self.rank.step(step.sequence.0, step.token, step.position)?;
+        self.publish(ctx)
+    }
+
+    fn kv_init(&mut self, _: &RankContext, sequence: SequenceId) -> Result<()> {
+        // Relaxed: the kv_init command that triggers this read was sent through a channel
+        // after the store, which orders them.
+        let cap = self.capacity.load(Ordering::Relaxed);
+        self.rank.runner().init_sequence(sequence.0, cap).map_err(cuda_error)
+    }
+
+    fn kv_release(&mut self, _: &RankContext, sequence: SequenceId) -> Result<()> {
+        self.rank.runner().release(sequence.0).map_err(cuda_error)
+    }
+}
+
+/// Flattens a group error and its causes into one message.
+fn flatten(e: &TpError<Error>) -> String {
+    let mut msg = e.to_string();
+    let mut src = std::error::Error::source(e);
+    while let Some(s) = src {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        src = s.source();
+    }
+    msg
+}
+
+/// Aborts every communicator (so no rank stays blocked in a collective) and returns the error.
+#[cold]
+fn fail(aborts: &[AbortHandle], e: TpError<Error>) -> Error {
+    let msg = flatten(&e);
+    for a in aborts {
+        a.abort(&msg);
+    }
+    Error::Tp(msg)
+}
+
+/// A [`DecodeBackend`] over `tp` GPUs of this process.
+pub struct CudaTpBackend {
+    group: TpDecodeGroup<CudaTpWorker>,
+    aborts: Vec<AbortHandle>,
+    capacity: Arc<AtomicUsize>,
+    out: Arc<Mutex<Vec<f32>>>,
+    seq: Option<SequenceId>,
+    next_seq: u64,
+    pos: usize,
+    vocab: usize,
+    label: String,
+}
+
+impl std::fmt::Debug for CudaTpBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaTpBackend").field("label", &self.label).field("seq", &self.seq).finish_non_exhaustive()
+    }
+}
+
+/// The GPUs `first .. first + tp`, checked against the device count.
+fn ordinals(first: usize, tp: usize) -> Result<Vec<usize>> {
+    let n = ferrum_cuda::device_count().map_err(cuda_error)?;
+    if first + tp > n {
+        return Err(Error::Tp(format!("--tp {tp} from cuda:{first} needs {} GPUs, this machine has {n}", first + tp)));
+    }
+    Ok((first..first + tp).collect())
+}
+
+impl CudaTpBackend {
+    /// Starts one rank thread per GPU in `ordinals`; rank `r` builds its runner with
+    /// `make(r, ordinal)` on its own thread and gets an NCCL reducer over the group.
+    pub fn new<F>(ordinals: &[usize], vocab: usize, label: String, make: F) -> Result<Self>
+    where
+        F: Fn(usize, usize) -> Result<CudaDecodeRunner> + Send + Sync + 'static,
+    {
+        let tp = ordinals.len();
+        let ranks = NcclRank::init_all(ordinals).map_err(nccl_error)?;
+        let aborts: Vec<AbortHandle> = ranks.iter().map(NcclRank::abort_handle).collect();
+        let slots: Arc<Vec<Mutex<Option<NcclRank>>>> =
+            Arc::new(ranks.into_iter().map(|r| Mutex::new(Some(r))).collect());
+        let capacity = Arc::new(AtomicUsize::new(0));
+        let out = Arc::new(Mutex::new(Vec::with_capacity(vocab)));
+        let (cap, o, ords) = (capacity.clone(), out.clone(), ordinals.to_vec());
+        let group = TpDecodeGroup::new(TpConfig::new(tp), move |ctx: &RankContext| {
+            let r = ctx.rank();
+            let nccl = Arc::new(slots[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?);
+            let mut runner = make(r, ords[r])?;
+            runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
+            Ok(CudaTpWorker { rank: CudaRank::new(runner, r), nccl, capacity: cap.clone(), out: o.clone() })
+        })
+        .map_err(|e| fail(&aborts, e))?;
+        Ok(Self { group, aborts, capacity, out, seq: None, next_seq: 1, pos: 0, vocab, label })
+    }
+
+    /// Replay captured graphs (default) or enqueue every kernel, on every rank.
+    pub fn set_graphed(&mut self, graphed: bool) -> Result<()> {
+        self.on_ranks(move |w, _| {
+            w.rank.set_graphed(graphed);
+            Ok(())
+        })
+        .map(|_| ())
+    }
+
+    /// Arms a failure for tests on `fault.rank`.
+    pub fn set_fault(&mut self, fault: Fault) -> Result<()> {
+        self.on_ranks(move |w, _| {
+            let handle = w.nccl.abort_handle();
+            w.rank.set_fault(Some(fault), Some(Box::new(move || handle.abort("injected failure"))));
+            Ok(())
+        })
+        .map(|_| ())
+    }
+
+    /// The GPU ordinal of each rank.
+    pub fn device_ordinals(&mut self) -> Result<Vec<usize>> {
+        self.on_ranks(|w, _| Ok(w.rank.runner().context().ordinal()))
+    }
+
+    fn on_ranks<R, F>(&mut self, f: F) -> Result<Vec<R>>
+    where
+        R: Send + 'static,
+        F: Fn(&mut CudaTpWorker, &RankContext) -> Result<R> + Send + Sync + 'static,
+    {
+        let aborts = &self.aborts;
+        self.group.run_on_ranks(f).map_err(|e| fail(aborts, e))
+    }
+}
+
+impl DecodeBackend for CudaTpBackend {
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        if let Some(old) = self.seq.take() {
+            self.group.kv_release(old).map_err(|e| fail(&self.aborts, e))?;
+        }
+        let seq = SequenceId(self.next_seq);
+        self.next_seq += 1;
+        // Relaxed: the kv_init command that reads it is sent through a channel after this store.
+        self.capacity.store(capacity, Ordering::Relaxed);
+        self.group.kv_init(seq).map_err(|e| fail(&self.aborts, e))?;
+        self.seq = Some(seq);
+        let toks: Arc<[u32]> = tokens.into();
+        self.on_ranks(move |w, ctx| w.prefill(ctx, seq, &toks))?;
+        self.pos = tokens.len();
+        Ok(self.out.lock().clone())
+    }
+
+    fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let seq = self.seq.ok_or_else(|| Error::InvalidInput("step before prefill".into()))?;
+        self.group.decode_step(token, self.pos, seq).map_err(|e| fail(&self.aborts, e))?;
+        self.pos += 1;
+        Ok(self.out.lock().clone())
+    }
+
+    fn describe(&self) -> String {
+        self.label.clone()
+    }
+
+    fn has_device_decode(&self) -> bool {
+        true
+    }
+
+    fn decode_on_device(
+        &mut self,
+        token: u32,
+        max_steps: usize,
+        sampling: DeviceSampling,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<DeviceRun> {
+        let seq = self.seq.ok_or_else(|| Error::InvalidInput("decode before prefill".into()))?;
+        let pos0 = self.pos;
+        let before = self.on_ranks(|w, _| Ok((w.rank.stats(), w.rank.graphed())))?[0];
+        self.on_ranks(move |w, _| w.rank.device_begin(seq.0, token, pos0))?;
+        let (kept, run) = drive_device_batches(max_steps, on_token, &mut |done, n| {
+            let first = pos0 + 1 + done;
+            let tokens = self.on_ranks(move |w, _| w.rank.device_steps(seq.0, first, n, sampling))?;
+            // Every rank saw the same sums, so every rank must have chosen the same tokens.
+            if let Some(r) = tokens.iter().position(|t| *t != tokens[0]) {
+                return Err(Error::Tp(format!(
+                    "rank {r} chose other tokens than rank 0 ({:?} vs {:?})",
+                    tokens[r], tokens[0]
+                )));
+            }
+            Ok(tokens.into_iter().next().unwrap_or_default())
+        })?;
+        self.on_ranks(move |w, _| w.rank.device_end(seq.0, pos0 + kept))?;
+        self.pos = pos0 + kept;
+        let after = self.on_ranks(|w, _| Ok(w.rank.stats()))?[0];
+        Ok(device_run(before.0, after, kept, run, before.1))
+    }
+}
+
+impl Drop for CudaTpBackend {
+    fn drop(&mut self) {
+        if self.group.is_poisoned() {
+            // Already aborted by `fail`; again in case the poison came another way.
+            for a in &self.aborts {
+                a.abort("the TP group was dropped after a failure");
+            }
+        }
+        // The group's own Drop shuts the ranks down (or joins them, when poisoned).
+    }
+}
+
+/// The shard ranges of `cfg` over `tp` ranks (the CPU sharding pass's plan).
+pub fn shard_ranges(cfg: &ModelConfig, tp: usize) -> Result<Vec<ShardRange>> {
+    Ok(crate::shard::plan(cfg, tp, 1)?.into_iter().map(|s| ShardRange { kv_heads: s.kv, ffn: s.ffn }).collect())
+}
+
+/// Weight bytes a decode step reads on the busiest rank of a `tp`-way split of `cfg`.
+pub fn shard_bytes_per_token(cfg: &ModelConfig, tp: usize) -> Result<u64> {
+    let full = spec_of(cfg);
+    let mut worst = 0u64;
+    for r in shard_ranges(cfg, tp)? {
+        let s = full.shard(&r).map_err(cuda_error)?;
+        let (h, i, v) = (s.hidden as u64, s.intermediate as u64, s.vocab as u64);
+        let layer = h * s.qkv_dim() as u64 + s.q_dim() as u64 * h + 3 * h * i + 2 * h;
+        worst = worst.max(2 * (s.layers as u64 * layer + v * h + 2 * h));
+    }
+    Ok(worst)
+}
+
+fn group_label(ordinals: &[usize], dtype: ferrum_cuda::DType) -> String {
+    let gpus: Vec<String> = ordinals.iter().map(|o| o.to_string()).collect();
+    format!("cuda:{} {} tp{}", gpus.join("+"), dtype.name(), ordinals.len())
+}
+
+/// `tp` GPUs from `first`, each with its shard of `weights`.
+pub fn open_group(
+    weights: &ModelWeights,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+    progress: bool,
+) -> Result<Box<dyn DecodeBackend>> {
+    Ok(Box::new(group(weights, first, tp, dtype, progress)?))
+}
+
+/// [`open_group`]'s backend itself (for its graph switch and fault injection).
+pub fn group(
+    weights: &ModelWeights,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+    progress: bool,
+) -> Result<CudaTpBackend> {
+    let ords = ordinals(first, tp)?;
+    let (shards, plan) = crate::shard::shard(weights, tp)?;
+    if progress {
+        eprintln!("tensor parallel over {tp} GPUs: {}", crate::shard::describe(&plan));
+    }
+    let shards: Arc<Vec<Mutex<Option<ModelWeights>>>> =
+        Arc::new(shards.into_iter().map(|s| Mutex::new(Some(s))).collect());
+    let label = group_label(&ords, dtype);
+    CudaTpBackend::new(&ords, weights.config.vocab_size, label, move |r, ordinal| {
+        let w = shards[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?;
+        build_runner(&w, dtype, ordinal, &mut |_, _| {})
+    })
+}
+
+/// `tp` GPUs from `first`, each with its shard of the random model of shape `cfg` (the same
+/// model as the one-GPU synthetic runner: shards are slices of it).
+pub fn open_group_synthetic(
+    cfg: &ModelConfig,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+) -> Result<Box<dyn DecodeBackend>> {
+    Ok(Box::new(synthetic_group(cfg, first, tp, dtype, 0x5eed)?))
+}
+
+/// The synthetic TP group itself (tests reach its fault injection through it).
+pub fn synthetic_group(
+    cfg: &ModelConfig,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+    seed: u64,
+) -> Result<CudaTpBackend> {
+    let ords = ordinals(first, tp)?;
+    let ranges = shard_ranges(cfg, tp)?;
+    let full = spec_of(cfg);
+    let label = group_label(&ords, dtype);
+    CudaTpBackend::new(&ords, cfg.vocab_size, label, move |r, ordinal| {
+        CudaDecodeRunner::random_shard(&full, &ranges[r], dtype, seed, ordinal).map_err(cuda_error)
+    })
+}
+
+/// This process's rank of a multi-process group: its shard of `weights` on GPU
+/// `(ordinal + rank) % device count` (so `--device cuda` puts rank r on GPU r of a shared
+/// machine, and on GPU 0 of a one-GPU machine), joined to the others through `dist.rendezvous`.
+pub fn open_process_rank(
+    weights: &ModelWeights,
+    ordinal: usize,
+    tp: usize,
+    dist: &DistOptions,
+    dtype: ferrum_cuda::DType,
+    progress: bool,
+) -> Result<Box<dyn DecodeBackend>> {
+    if tp != dist.world_size {
+        return Err(Error::InvalidInput(format!("--tp {tp} differs from --world-size {}", dist.world_size)));
+    }
+    if dist.rank >= dist.world_size {
+        return Err(Error::InvalidInput(format!("--rank {} is not below --world-size {}", dist.rank, dist.world_size)));
+    }
+    let rendezvous = Rendezvous::parse(&dist.rendezvous).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    let n = ferrum_cuda::device_count().map_err(cuda_error)?;
+    if n == 0 {
+        return Err(Error::Unavailable("CUDA", "no GPU".into()));
+    }
+    let gpu = (ordinal + dist.rank) % n;
+    let (shards, plan) = crate::shard::shard(weights, tp)?;
+    if progress {
+        eprintln!("rank {} of {} on cuda:{gpu}: {}", dist.rank, dist.world_size, crate::shard::describe(&plan));
+    }
+    let shard = shards.into_iter().nth(dist.rank).ok_or_else(|| Error::Tp("no shard for this rank".into()))?;
+    let mut runner = build_runner(&shard, dtype, gpu, &mut |_, _| {})?;
+    let opts = RendezvousOptions::default();
+    let nccl = NcclRank::init_rank_rendezvous(runner.context(), dist.rank, dist.world_size, &rendezvous, &opts)
+        .map_err(nccl_error)?;
+    runner.set_reducer(Box::new(NcclReducer::new(Arc::new(nccl))));
+    let label = format!("cuda:{gpu} {} rank {}/{}", dtype.name(), dist.rank, dist.world_size);
+    Ok(Box::new(CudaBackend::with_rank(CudaRank::new(runner, dist.rank), label)))
+}

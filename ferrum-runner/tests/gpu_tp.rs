@@ -1,0 +1,405 @@
+//! GPU tests of the decode graphs, the device loop and tensor parallelism over NCCL.
+//! Each test needs a CUDA GPU (`--ignored`); tests named `tp2_*` need two.
+//! Built by `cargo xtask gpu-bundle` (twice: with the spin-park barrier and with
+//! `barrier-std`); run by `bundle/run-gpu-suite.sh`.
+#![cfg(feature = "cuda")]
+
+use std::time::{Duration, Instant};
+
+use candle_core::DType;
+use ferrum_runner::backend::{DecodeBackend, DeviceSampling};
+use ferrum_runner::config::{Arch, ModelConfig};
+use ferrum_runner::cuda_backend::{build_runner, CudaBackend};
+use ferrum_runner::cuda_rank::{Fault, FaultKind};
+use ferrum_runner::cuda_tp::{open_group, synthetic_group};
+use ferrum_runner::generate::{generate, GenerateOptions};
+use ferrum_runner::sampling::SamplingParams;
+use ferrum_runner::synthetic::{random_config, random_weights};
+use ferrum_runner::weights::{Linear, ModelWeights};
+
+const ARCHS: [Arch; 4] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3];
+const BF16: ferrum_cuda::DType = ferrum_cuda::DType::BF16;
+
+fn init() {
+    // NCCL reads it at its first communicator; the tests never use NVLink multicast.
+    std::env::set_var(ferrum_runner::NVLS_ENV, "0");
+}
+
+/// Small model, realistic head_dim 64; `kv_heads` KV heads with 2 query heads each (3 for
+/// Qwen3). Three KV heads split 2 + 1 over two GPUs (the uneven split).
+fn config(arch: Arch, tied: bool, kv_heads: usize) -> ModelConfig {
+    let mut c = random_config(arch, tied);
+    c.hidden_size = 256;
+    c.intermediate_size = 512;
+    c.head_dim = 64;
+    c.num_kv_heads = kv_heads;
+    c.num_heads = kv_heads * if arch == Arch::Qwen3 { 3 } else { 2 };
+    c
+}
+
+fn weights(cfg: &ModelConfig, seed: u64) -> ModelWeights {
+    random_weights(cfg, DType::F32, seed).unwrap()
+}
+
+/// Multiplies the (untied) LM head by `k`, so the logits are peaked and greedy choices have
+/// margins far above bf16 rounding.
+fn peaked(mut w: ModelWeights, k: f64) -> ModelWeights {
+    let t = w.lm_head.to_dense(DType::F32).unwrap();
+    w.lm_head = Linear::Dense((t * k).unwrap());
+    w
+}
+
+fn tp1(w: &ModelWeights) -> CudaBackend {
+    CudaBackend::new(build_runner(w, BF16, 0, &mut |_, _| {}).unwrap())
+}
+
+fn prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    ferrum_runner::sampling::argmax(v)
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    if a.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Host loop: prefill, then `steps` steps fed with the argmax of the previous logits; every
+/// logits vector (prefill first).
+fn host_logits(b: &mut dyn DecodeBackend, prompt: &[u32], steps: usize, capacity: usize) -> Vec<Vec<f32>> {
+    let mut out = vec![b.prefill(prompt, capacity).unwrap()];
+    for _ in 0..steps {
+        let next = argmax(out.last().unwrap());
+        out.push(b.step(next).unwrap());
+    }
+    out
+}
+
+/// Device loop after a prefill: the tokens the device chose in `steps` steps, fed from the
+/// prefill's argmax.
+fn device_tokens(
+    b: &mut dyn DecodeBackend,
+    prompt: &[u32],
+    steps: usize,
+    capacity: usize,
+    s: DeviceSampling,
+) -> Vec<u32> {
+    let logits = b.prefill(prompt, capacity).unwrap();
+    let mut toks = Vec::new();
+    let run = b
+        .decode_on_device(argmax(&logits), steps, s, &mut |t| {
+            toks.push(t);
+            Ok(true)
+        })
+        .unwrap();
+    assert_eq!((run.kept, run.run), (steps, steps));
+    toks
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn graph_replay_is_bit_identical_to_eager() {
+    init();
+    for arch in ARCHS {
+        for tied in [true, false] {
+            let cfg = config(arch, tied, 2);
+            let w = weights(&cfg, 3);
+            let p = prompt(100, cfg.vocab_size, 7);
+            // Reference: host-fed eager steps, logits copied back every step.
+            let mut host = tp1(&w);
+            let want = host_logits(&mut host, &p, 64, 200);
+            for graphed in [true, false] {
+                let mut b = tp1(&w);
+                b.rank().set_graphed(graphed);
+                let logits = b.prefill(&p, 200).unwrap();
+                let mut tok = argmax(&logits);
+                b.rank().device_begin(0, tok, p.len()).unwrap();
+                for i in 0..64 {
+                    let got = b.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+                    let mut l = Vec::new();
+                    b.runner().logits_to_host(&mut l).unwrap();
+                    assert_eq!(bits(&l), bits(&want[i + 1]), "{arch:?} tied={tied} graphed={graphed}: step {i} logits");
+                    tok = argmax(&want[i + 1]);
+                    assert_eq!(got, vec![tok], "{arch:?} tied={tied} graphed={graphed}: step {i} token");
+                }
+                let stats = b.rank().stats();
+                assert_eq!(stats.steps, 64);
+                assert_eq!(stats.captures, u64::from(graphed), "one capture serves every position");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_new_cache_is_captured_again_and_still_matches() {
+    init();
+    let cfg = config(Arch::Llama, false, 2);
+    let w = weights(&cfg, 5);
+    let mut host = tp1(&w);
+    let mut dev = tp1(&w);
+    for (i, capacity) in [96usize, 400, 96].into_iter().enumerate() {
+        let p = prompt(40 + i, cfg.vocab_size, i as u64);
+        let want: Vec<u32> = host_logits(&mut host, &p, 32, capacity)[1..].iter().map(|l| argmax(l)).collect();
+        let got = device_tokens(&mut dev, &p, 32, capacity, DeviceSampling::Greedy);
+        // Step i's token is the argmax of step i's logits.
+        assert_eq!(got, want, "sequence {i} (capacity {capacity})");
+    }
+    let captures = dev.rank().stats().captures;
+    assert!((2..=3).contains(&captures), "{captures} captures for 3 sequences (2 or 3 buffer sets)");
+}
+
+fn opts(max_tokens: usize, stop: Vec<u32>, device_loop: bool, sampling: SamplingParams) -> GenerateOptions {
+    GenerateOptions { max_tokens, sampling, stop_ids: stop, keep_logits: false, device_loop }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn generate_on_the_device_equals_the_host_loop() {
+    init();
+    let cfg = config(Arch::Qwen2, false, 2);
+    let w = weights(&cfg, 9);
+    let p = prompt(20, cfg.vocab_size, 1);
+    let greedy = SamplingParams::default();
+    let mut host = tp1(&w);
+    let mut dev = tp1(&w);
+    let want = generate(&mut host, &p, 4096, &opts(70, vec![], false, greedy), &mut |_| Ok(())).unwrap();
+    let got = generate(&mut dev, &p, 4096, &opts(70, vec![], true, greedy), &mut |_| Ok(())).unwrap();
+    assert!(want.device.is_none() && got.device.is_some());
+    assert_eq!(got.generated, want.generated);
+    assert_eq!(got.decode_steps, want.decode_steps);
+    // A stop token met mid-batch: generation ends there; the steps run past it are discarded.
+    let stop = want.generated[13];
+    let first = want.generated.iter().position(|&t| t == stop).unwrap();
+    let got = generate(&mut dev, &p, 4096, &opts(70, vec![stop], true, greedy), &mut |_| Ok(())).unwrap();
+    assert!(got.stopped_on_eos);
+    assert_eq!(got.generated, want.generated[..first]);
+    let run = got.device.unwrap();
+    assert!(run.run >= run.kept && run.kept == first, "{run:?}");
+    // The context limit: the last fed position is capacity - 1.
+    let got = generate(&mut dev, &p, p.len() + 10, &opts(70, vec![], true, greedy), &mut |_| Ok(())).unwrap();
+    assert_eq!(got.generated, want.generated[..11]);
+    // After a device run, host steps continue from the last token handed out.
+    let mut a = tp1(&w);
+    let l0 = a.prefill(&p, 200).unwrap();
+    let mut toks = Vec::new();
+    a.decode_on_device(argmax(&l0), 9, DeviceSampling::Greedy, &mut |t| {
+        toks.push(t);
+        Ok(toks.len() < 5)
+    })
+    .unwrap();
+    assert_eq!(toks, want.generated[1..6]);
+    let next = a.step(toks[4]).unwrap();
+    let mut h = tp1(&w);
+    let all = host_logits(&mut h, &p, 6, 200);
+    assert_eq!(bits(&next), bits(&all[6]));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_sampling_is_seeded() {
+    init();
+    let cfg = config(Arch::Llama, true, 2);
+    let w = weights(&cfg, 11);
+    let p = prompt(16, cfg.vocab_size, 2);
+    let mut b = tp1(&w);
+    let t = |seed| DeviceSampling::Temperature { temperature: 1.0, seed };
+    let a1 = device_tokens(&mut b, &p, 64, 128, t(1));
+    let a2 = device_tokens(&mut b, &p, 64, 128, t(1));
+    let b1 = device_tokens(&mut b, &p, 64, 128, t(2));
+    let g = device_tokens(&mut b, &p, 64, 128, DeviceSampling::Greedy);
+    assert_eq!(a1, a2, "same seed, same tokens");
+    assert_ne!(a1, b1, "another seed, other tokens");
+    assert_ne!(a1, g, "sampling at T=1 on near-flat logits is not greedy");
+    assert!(a1.iter().chain(&b1).all(|&t| (t as usize) < cfg.vocab_size));
+    // On very peaked logits a draw at T=1 is the argmax.
+    let wp = peaked(weights(&cfg_untied(), 11), 400.0);
+    let mut bp = tp1(&wp);
+    let s = device_tokens(&mut bp, &p, 32, 128, t(3));
+    let g = device_tokens(&mut bp, &p, 32, 128, DeviceSampling::Greedy);
+    assert_eq!(s, g);
+}
+
+fn cfg_untied() -> ModelConfig {
+    config(Arch::Llama, false, 2)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two GPUs
+// ---------------------------------------------------------------------------------------------
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_matches_tp1_every_arch() {
+    init();
+    for arch in ARCHS {
+        for (tied, kv) in [(true, 2), (false, 3)] {
+            let cfg = config(arch, tied, kv);
+            let w = weights(&cfg, 21);
+            let p = prompt(100, cfg.vocab_size, 3);
+            let mut one = tp1(&w);
+            let mut two = open_group(&w, 0, 2, BF16, false).unwrap();
+            let want = host_logits(&mut one, &p, 0, 200);
+            let got = two.prefill(&p, 200).unwrap();
+            let mut worst = rel_err(&got, &want[0]);
+            // Both fed the same tokens (TP1's argmax), 64 steps.
+            let mut next = argmax(&want[0]);
+            for _ in 0..64 {
+                let a = one.step(next).unwrap();
+                let b = two.step(next).unwrap();
+                worst = worst.max(rel_err(&b, &a));
+                next = argmax(&a);
+            }
+            println!("{arch:?} tied={tied} kv={kv}: TP2 vs TP1 worst rel err {worst:.3e}");
+            assert!(worst <= 1e-2, "{arch:?} tied={tied}: {worst:.3e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_greedy_tokens_equal_tp1_on_peaked_logits() {
+    init();
+    for arch in ARCHS {
+        let cfg = config(arch, false, 3);
+        let w = peaked(weights(&cfg, 23), 16.0);
+        let p = prompt(100, cfg.vocab_size, 4);
+        let a = device_tokens(&mut tp1(&w), &p, 64, 200, DeviceSampling::Greedy);
+        let b = device_tokens(open_group(&w, 0, 2, BF16, false).unwrap().as_mut(), &p, 64, 200, DeviceSampling::Greedy);
+        let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+        println!("{arch:?}: TP2 greedy equals TP1 for {same} of 64 steps");
+        assert!(same >= 32, "{arch:?}: only {same} equal steps\n{a:?}\n{b:?}");
+    }
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
+    init();
+    let cfg = config(Arch::Llama, false, 3);
+    let w = weights(&cfg, 25);
+    let p = prompt(100, cfg.vocab_size, 5);
+    let mut x = open_group(&w, 0, 2, BF16, false).unwrap();
+    let mut y = open_group(&w, 0, 2, BF16, false).unwrap();
+    let lx = host_logits(x.as_mut(), &p, 64, 300);
+    let ly = host_logits(y.as_mut(), &p, 64, 300);
+    for (i, (a, b)) in lx.iter().zip(&ly).enumerate() {
+        assert_eq!(bits(a), bits(b), "step {i}: two TP2 runs differ");
+    }
+    // Graphed vs eager device loop on two GPUs: the same tokens, and the same KV cache (the
+    // next host step's logits are bit-identical).
+    let mut g = synthetic_or(&w, true);
+    let mut e = synthetic_or(&w, false);
+    let tg = device_tokens(g.as_mut(), &p, 64, 300, DeviceSampling::Greedy);
+    let te = device_tokens(e.as_mut(), &p, 64, 300, DeviceSampling::Greedy);
+    assert_eq!(tg, te);
+    let want: Vec<u32> = lx[1..65].iter().map(|l| argmax(l)).collect();
+    assert_eq!(tg, want, "device loop vs host loop on TP2");
+    let (a, b) = (g.step(tg[63]).unwrap(), e.step(te[63]).unwrap());
+    assert_eq!(bits(&a), bits(&b));
+}
+
+fn synthetic_or(w: &ModelWeights, graphed: bool) -> Box<dyn DecodeBackend> {
+    let mut b = ferrum_runner::cuda_tp::group(w, 0, 2, BF16, false).unwrap();
+    b.set_graphed(graphed).unwrap();
+    Box::new(b)
+}
+
+/// Free memory of each GPU, read through contexts the caller keeps alive (so releasing the
+/// group's own context references cannot free anything behind the measurement's back).
+fn free_memory(ctxs: &[std::sync::Arc<ferrum_cuda::cudarc::driver::CudaContext>]) -> Vec<u64> {
+    ctxs.iter().map(|c| c.mem_get_info().unwrap().0 as u64).collect()
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_failure_injection() {
+    init();
+    let ctxs: Vec<_> = (0..2).map(|o| ferrum_cuda::cudarc::driver::CudaContext::new(o).unwrap()).collect();
+    let cfg = config(Arch::Llama, false, 2);
+    let p = prompt(30, cfg.vocab_size, 6);
+    // A first group loads NCCL's and ferrum's modules; later groups must give back all they take.
+    {
+        let mut warm = synthetic_group(&cfg, 0, 2, BF16, 1).unwrap();
+        device_tokens(&mut warm, &p, 8, 128, DeviceSampling::Greedy);
+    }
+    let mut problems = Vec::new();
+    for kind in [FaultKind::CudaLaunch, FaultKind::NcclAbort, FaultKind::Panic] {
+        for rank in [1usize, 0] {
+            for graphed in [true, false] {
+                let before = free_memory(&ctxs);
+                let mut g = synthetic_group(&cfg, 0, 2, BF16, 1).unwrap();
+                g.set_graphed(graphed).unwrap();
+                let l = g.prefill(&p, 128).unwrap();
+                g.set_fault(Fault { rank, after_steps: 6, kind }).unwrap();
+                let t = Instant::now();
+                let r = g.decode_on_device(argmax(&l), 64, DeviceSampling::Greedy, &mut |_| Ok(true));
+                let took = t.elapsed();
+                let err = r.expect_err("the injected failure must surface").to_string();
+                let case = format!("{kind:?} on rank {rank} (graphed {graphed})");
+                if took >= Duration::from_secs(1) {
+                    problems.push(format!("{case}: error after {took:?}"));
+                }
+                if !err.contains(&format!("TP rank {rank}")) {
+                    problems.push(format!("{case}: `{err}` does not name rank {rank}"));
+                }
+                // Poisoned: every later call fails at once.
+                if g.step(0).is_ok() {
+                    problems.push(format!("{case}: a step after the failure succeeded"));
+                }
+                let t = Instant::now();
+                drop(g);
+                let dropped = t.elapsed();
+                if dropped >= Duration::from_secs(5) {
+                    problems.push(format!("{case}: drop took {dropped:?}"));
+                }
+                let after = free_memory(&ctxs);
+                println!(
+                    "{case}: error in {:.1} ms, drop {:.1} ms, free memory {before:?} -> {after:?}: `{err}`",
+                    took.as_secs_f64() * 1e3,
+                    dropped.as_secs_f64() * 1e3,
+                );
+                if after != before {
+                    problems.push(format!("{case}: GPU memory not returned ({before:?} -> {after:?})"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
+    init();
+    for arch in ARCHS {
+        let cfg = config(arch, arch == Arch::Mistral, 3);
+        let spec = ferrum_runner::cuda_backend::spec_of(&cfg);
+        let one = ferrum_cuda::CudaDecodeRunner::random(spec, BF16, 77, 0).unwrap();
+        let mut one = CudaBackend::new(one);
+        let mut two = synthetic_group(&cfg, 0, 2, BF16, 77).unwrap();
+        let p = prompt(64, cfg.vocab_size, 8);
+        let a = host_logits(&mut one, &p, 16, 128);
+        let b = host_logits(&mut two, &p, 16, 128);
+        let worst = a.iter().zip(&b).map(|(x, y)| rel_err(y, x)).fold(0.0, f64::max);
+        println!("{arch:?}: synthetic TP2 vs TP1 worst rel err {worst:.3e}");
+        assert!(worst <= 1e-2, "{arch:?}: {worst:.3e}");
+    }
+}
