@@ -66,6 +66,14 @@ print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']
 PY
     done
     done
+    if [ -z "${SKIP_HOSTLOOP:-}" ]; then
+        say "== ferrum bench --host-loop (eager kernels, logits to the host every step), TP1"
+        for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+            "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+                --runs 3 --host-loop --json >"$OUT/bench-$m-host.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']:.0f} tok/s\")" "$OUT/bench-$m-host.json" | tee -a "$S"
+        done
+    fi
     if [ "$GPUS" -ge 2 ]; then
         say "== all-reduce latency (NCCL, 2 GPUs, in a graph and eager)"
         "$B/ferrum" bench --all-reduce --device cuda --tp 2 --hidden 4096 2>>"$OUT/bench.log" | tee -a "$S"

@@ -482,6 +482,23 @@ impl NcclRank {
         matches!(*self.shared.lock(), State::Aborted(_))
     }
 
+    /// Runs `f` while the communicator is live and cannot be aborted, or returns
+    /// [`Error::Aborted`] without running it.
+    ///
+    /// For launching a CUDA graph that captured this communicator's collectives: the graph's
+    /// NCCL kernels use the communicator's resources, which `ncclCommAbort` frees, and a replay
+    /// does not go through this wrapper. Launching under this guard orders every replay either
+    /// before an abort (whose `ncclCommAbort` then terminates the kernels it enqueued) or after
+    /// it (refused here). [`AbortHandle::abort`] waits for `f` to return, so keep `f` to
+    /// enqueueing work.
+    pub fn while_live<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
+        let state = self.shared.lock();
+        if let State::Aborted(reason) = &*state {
+            return Err(self.shared.aborted_error(reason));
+        }
+        Ok(f())
+    }
+
     /// Polls NCCL for an asynchronous error (a peer or network failure noticed by NCCL's proxy
     /// thread, `ncclCommGetAsyncError`). On error the communicator is aborted and NCCL's text is
     /// returned. Cheap; call it from a watchdog while waiting for GPU work.

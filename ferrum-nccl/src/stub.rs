@@ -98,6 +98,10 @@ impl NcclRank {
     pub fn is_aborted(&self) -> bool {
         match self.never {}
     }
+    /// Runs `f` while the communicator is live (see the `cuda` build).
+    pub fn while_live<R>(&self, _f: impl FnOnce() -> R) -> Result<R> {
+        match self.never {}
+    }
     /// Polls NCCL for an asynchronous error.
     pub fn check_async_error(&self) -> Result<()> {
         match self.never {}

@@ -114,7 +114,13 @@ pub fn build_runner(
     if cfg.has_o_bias() {
         return Err(Error::BadConfig("o_proj bias is not supported by the CUDA runner".into()));
     }
-    let spec = spec_of(cfg);
+    let mut spec = spec_of(cfg);
+    // A tensor-parallel shard keeps the global config; its own widths are its tensors' rows.
+    if let Some(l) = w.layers.first() {
+        spec.heads = l.q.dims().0 / cfg.head_dim;
+        spec.kv_heads = l.k.dims().0 / cfg.head_dim;
+        spec.intermediate = l.gate.dims().0;
+    }
     // Convert in a fixed order; HostWeights then borrows the converted buffers.
     let mut conv = Converted { embed: Vec::new(), embed16: Vec::new(), tensors: Vec::new() };
     match convert(&w.embed, dtype)? {

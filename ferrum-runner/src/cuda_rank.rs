@@ -19,8 +19,11 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::Arc;
+
 use ferrum_cuda::{CudaDecodeRunner, DeviceSampling, DeviceStepKey};
 use ferrum_graph::DecodeGraphCache;
+use ferrum_nccl::NcclRank;
 
 use crate::error::{Error, Result};
 
@@ -81,6 +84,9 @@ pub struct CudaRank {
     fault: Option<Fault>,
     /// Aborts this rank's communicator (for [`FaultKind::NcclAbort`]).
     abort: Option<Box<dyn Fn() + Send>>,
+    /// The communicator whose collectives the graphs captured (TP): replays are launched only
+    /// while it is live (see [`NcclRank::while_live`]).
+    comm: Option<Arc<NcclRank>>,
 }
 
 impl std::fmt::Debug for CudaRank {
@@ -110,7 +116,13 @@ impl CudaRank {
             rank,
             fault: None,
             abort: None,
+            comm: None,
         }
+    }
+
+    /// Sets the communicator the runner's reducer uses (graph replays then check it is live).
+    pub fn set_comm(&mut self, comm: Arc<NcclRank>) {
+        self.comm = Some(comm);
     }
 
     /// The runner.
@@ -208,10 +220,18 @@ impl CudaRank {
                 self.stats.captures += 1;
                 self.stats.capture_time += t0.elapsed();
             }
-            for _ in 0..n {
-                let t = Instant::now();
-                graph.replay(&stream).map_err(graph_error)?;
-                self.stats.enqueue_time += t.elapsed();
+            let mut enqueue = || -> Result<()> {
+                for _ in 0..n {
+                    let t = Instant::now();
+                    graph.replay(&stream).map_err(graph_error)?;
+                    self.stats.enqueue_time += t.elapsed();
+                }
+                Ok(())
+            };
+            match &self.comm {
+                // The graph holds NCCL kernels: never launch it after its communicator died.
+                Some(c) => c.while_live(enqueue).map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))??,
+                None => enqueue()?,
             }
         } else {
             for _ in 0..n {

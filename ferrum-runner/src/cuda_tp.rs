@@ -55,6 +55,19 @@ impl Reducer for NcclReducer {
     }
 }
 
+/// One eager all-reduce of a decode step's size on the runner's stream, waited for. NCCL
+/// connects peers lazily, at a size's first collective, and cannot do so while a stream
+/// captures: this makes the connections the captured decode all-reduces use. Every rank must
+/// call it (it is a collective).
+fn warm_up(runner: &CudaDecodeRunner, nccl: &NcclRank) -> Result<()> {
+    let st = runner.stream();
+    let mut buf = st
+        .alloc_zeros::<f32>(runner.spec().hidden)
+        .map_err(|e| Error::Unavailable("CUDA", format!("allocating the NCCL warm-up buffer: {e}")))?;
+    nccl.all_reduce_sum_in_place(&mut buf, st).map_err(nccl_error)?;
+    runner.synchronize().map_err(cuda_error)
+}
+
 /// One GPU of an in-process group.
 pub struct CudaTpWorker {
     rank: CudaRank,
@@ -125,9 +138,12 @@ fn flatten(e: &TpError<Error>) -> String {
 #[cold]
 fn fail(aborts: &[AbortHandle], e: TpError<Error>) -> Error {
     let msg = flatten(&e);
-    for a in aborts {
-        a.abort(&msg);
-    }
+    // ncclCommAbort takes a while (it stops NCCL's proxy threads): abort the ranks in parallel.
+    std::thread::scope(|s| {
+        for a in aborts {
+            s.spawn(|| a.abort(&msg));
+        }
+    });
     Error::Tp(msg)
 }
 
@@ -178,8 +194,11 @@ impl CudaTpBackend {
             let r = ctx.rank();
             let nccl = Arc::new(slots[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?);
             let mut runner = make(r, ords[r])?;
+            warm_up(&runner, &nccl)?;
             runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
-            Ok(CudaTpWorker { rank: CudaRank::new(runner, r), nccl, capacity: cap.clone(), out: o.clone() })
+            let mut rank = CudaRank::new(runner, r);
+            rank.set_comm(nccl.clone());
+            Ok(CudaTpWorker { rank, nccl, capacity: cap.clone(), out: o.clone() })
         })
         .map_err(|e| fail(&aborts, e))?;
         Ok(Self { group, aborts, capacity, out, seq: None, next_seq: 1, pos: 0, vocab, label })
@@ -413,7 +432,11 @@ pub fn open_process_rank(
     let opts = RendezvousOptions::default();
     let nccl = NcclRank::init_rank_rendezvous(runner.context(), dist.rank, dist.world_size, &rendezvous, &opts)
         .map_err(nccl_error)?;
-    runner.set_reducer(Box::new(NcclReducer::new(Arc::new(nccl))));
+    warm_up(&runner, &nccl)?;
+    let nccl = Arc::new(nccl);
+    runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
     let label = format!("cuda:{gpu} {} rank {}/{}", dtype.name(), dist.rank, dist.world_size);
-    Ok(Box::new(CudaBackend::with_rank(CudaRank::new(runner, dist.rank), label)))
+    let mut rank = CudaRank::new(runner, dist.rank);
+    rank.set_comm(nccl);
+    Ok(Box::new(CudaBackend::with_rank(rank, label)))
 }

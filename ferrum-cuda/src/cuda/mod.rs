@@ -7,7 +7,7 @@ use crate::spec::{
 };
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
 use launch::{region, whole, Feed, Kernels, Region};
 use std::collections::HashMap;
@@ -284,6 +284,8 @@ pub struct CudaDecodeRunner {
     /// Pinned host buffer the token read-back copies into, and how many it last received.
     readback: Option<PinnedHostSlice<u32>>,
     readback_len: usize,
+    /// Recorded after each read-back copy; waited for before the tokens are read.
+    readback_done: Option<CudaEvent>,
     reducer: Box<dyn Reducer>,
     projection: Projection,
     sms: usize,
@@ -637,6 +639,7 @@ impl CudaDecodeRunner {
             fed: None,
             readback: None,
             readback_len: 0,
+            readback_done: None,
             reducer: Box::new(NoReduce),
             projection: Projection::default(),
             sms,
@@ -989,21 +992,37 @@ impl CudaDecodeRunner {
     /// [`token_readback`](Self::token_readback)). Not capturable (a host copy).
     pub fn enqueue_token_readback(&mut self, seq: u64, first: usize, n: usize) -> Result<()> {
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
-        let end = first.checked_add(n).filter(|&e| e <= s.capacity + 1 && n > 0).ok_or_else(|| {
+        first.checked_add(n).filter(|&e| e <= s.capacity + 1 && n > 0).ok_or_else(|| {
             Error::InvalidArgument(format!("token read-back {first}+{n} of a {}-token history", s.capacity + 1))
         })?;
         if self.readback.as_ref().is_none_or(|b| b.len() < n) {
             // SAFETY: the pinned buffer is only read after the copy below fills the part that
-            // is read (token_readback reads at most the `n` last copied); u32 has no invalid
-            // bit patterns anyway.
+            // is read (token_readback reads the `n` last copied); u32 has no invalid bit patterns.
             let buf = unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n.max(64), 0) }
                 .map_err(Error::driver("cuMemHostAlloc (token read-back)"))?;
             self.readback = Some(buf);
         }
+        let event = match &self.readback_done {
+            Some(e) => e,
+            None => self.readback_done.insert(
+                self.ctx
+                    .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(Error::driver("creating an event"))?,
+            ),
+        };
         let dst = self.readback.as_mut().ok_or_else(|| Error::Internal("read-back buffer".into()))?;
-        let src = s.history.slice(first..end);
-        // `dst` holds at least `n` elements (cudarc copies `src.len()` = n of them).
-        self.k.stream.memcpy_dtoh(&src, dst).map_err(Error::driver("token read-back"))?;
+        // Waits for nothing of ours: cudarc's own event on the buffer is never recorded, since
+        // the copy below is made with the raw call (cudarc's would copy the whole buffer).
+        let host = dst.as_mut_slice().map_err(Error::driver("token read-back"))?;
+        let (src, _) = s.history.device_ptr(&self.k.stream);
+        let src = src + (first * std::mem::size_of::<u32>()) as u64;
+        // SAFETY: `src` is `n` u32 inside the history allocation (first + n <= capacity + 1,
+        // checked above), which outlives the copy (freed only in `release`, on this stream,
+        // after it); `host[..n]` is pinned memory owned by the runner that nothing else writes,
+        // read only after `readback_done` (recorded just after) completes.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host[..n], src, self.k.stream.cu_stream()) }
+            .map_err(Error::driver("token read-back"))?;
+        event.record(&self.k.stream).map_err(Error::driver("token read-back"))?;
         self.readback_len = n;
         Ok(())
     }
@@ -1012,7 +1031,10 @@ impl CudaDecodeRunner {
     /// its tokens (also surfaces any error of the work enqueued before it).
     pub fn token_readback(&mut self) -> Result<&[u32]> {
         let n = self.readback_len;
-        let buf = self.readback.as_ref().ok_or_else(|| Error::InvalidArgument("no token read-back enqueued".into()))?;
+        let (Some(buf), Some(done)) = (self.readback.as_ref(), self.readback_done.as_ref()) else {
+            return Err(Error::InvalidArgument("no token read-back enqueued".into()));
+        };
+        done.synchronize().map_err(Error::driver("token read-back"))?;
         let all = buf.as_slice().map_err(Error::driver("token read-back"))?;
         Ok(&all[..n.min(all.len())])
     }
