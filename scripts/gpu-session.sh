@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One full GPU round on a machine with a CUDA GPU and no Rust toolchain, from the repository
 # root, with `bundle/` (from `cargo xtask gpu-bundle`) beside it. Prints a compact summary last;
-# full logs go to $OUT (default /tmp/ferrum-gpu-out).
+# full logs go to $LOGS (default /tmp/ferrum-gpu-logs); at the end the summary, the suite and
+# TP-CLI logs and every bench JSON (one file, JSON lines) are copied to $OUT (the device tool's
+# return folder, which takes few files).
 #
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/ferrum-gpu-out}
-mkdir -p "$OUT"
+RET=${OUT:-/tmp/ferrum-gpu-out}
+OUT=${LOGS:-/tmp/ferrum-gpu-logs}
+mkdir -p "$OUT" "$RET"
 B=bundle
 S=$OUT/summary.txt
 : > "$S"
@@ -30,7 +33,8 @@ done
 # The GPU suite: every test executable in the bundle, ignored (GPU) tests only.
 FERRUM_HF_REF_ROOT=$HF timeout ${SUITE_TIMEOUT:-330} "$B/run-gpu-suite.sh" --nocapture >"$OUT/gpu-suite.log" 2>&1
 say "== GPU suite exit: $?"
-grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 vs|TP2 greedy|synthetic TP2|on rank" "$OUT/gpu-suite.log" | tee -a "$S"
+grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 vs|TP2 greedy|synthetic TP2|on rank" "$OUT/gpu-suite.log" \
+    | cut -c1-220 | tee -a "$S"
 
 fi
 if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
@@ -83,4 +87,9 @@ PY
         python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
     fi
 fi
+for f in "$OUT"/bench-*.json; do
+    [ -f "$f" ] && python3 -c 'import json,sys,os; print(json.dumps(dict(json.load(open(sys.argv[1])), file=os.path.basename(sys.argv[1]))))' "$f"
+done >"$RET/bench-all.jsonl" 2>/dev/null
+cp "$S" "$OUT/gpu-suite.log" "$RET/" 2>/dev/null
+[ -f "$OUT/tp-cli.log" ] && cp "$OUT/tp-cli.log" "$RET/"
 echo; echo "===== SUMMARY ====="; cat "$S"
