@@ -7,44 +7,54 @@
 // silu(gate . x) * (up . x) in fp32: SiLU-mul fused into the gate/up projection.
 #include "common.cuh"
 
-#define GEMV_ROWS 2  // the gate/up variant relies on exactly two rows per warp
-
 __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
-// GATEUP = false: warp w computes rows 2w, 2w+1 of y = W x (`rows` rows).
-// GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes gate row w and up row
-// rows + w and writes y[w] = silu(gate . x) * (up . x) (SiLU-mul fused into the projection).
-template <typename T, bool GATEUP>
+// ROWS rows per warp (2 or 4): more rows share each load of x, fewer warps stream W.
+// GATEUP = false: warp w computes rows ROWS*w .. ROWS*w + ROWS - 1 of y = W x (`rows` rows).
+// GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes OUT = ROWS/2 outputs
+// o = OUT*w + j: gate row o and up row rows + o, and writes y[o] = silu(gate . x) * (up . x)
+// (SiLU-mul fused into the projection).
+// Every variant computes each row's dot product in the same order (lane l takes chunks l,
+// l + 32, ...; then the same warp reduction), so all variants give bit-identical results:
+// the runner may pick the fastest per shape without changing the output.
+template <typename T, int ROWS, bool GATEUP>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
+    constexpr int OUT = GATEUP ? ROWS / 2 : ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int wg = blockIdx.x * nw + warp;
-    const int r0 = GATEUP ? wg : wg * GEMV_ROWS;
-    if (r0 >= rows) return;
-    size_t row_idx[GEMV_ROWS];
+    const int o0 = wg * OUT;
+    if (o0 >= rows) return;
+    size_t row_idx[ROWS];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r)
-        row_idx[r] = GATEUP ? (size_t)r0 + (size_t)r * rows : (size_t)min(r0 + r, rows - 1);
-    float acc[GEMV_ROWS];
+    for (int r = 0; r < ROWS; ++r) {
+        // Rows past the end are clamped to the last one (computed, never written).
+        if (GATEUP)
+            row_idx[r] = r < OUT ? (size_t)min(o0 + r, rows - 1)
+                                 : (size_t)rows + (size_t)min(o0 + r - OUT, rows - 1);
+        else
+            row_idx[r] = (size_t)min(o0 + r, rows - 1);
+    }
+    float acc[ROWS];
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = 0.0f;
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
     if ((cols & 7) == 0) {
         // 16-byte path: W's rows are 16-byte aligned and x is 32-byte aligned because
         // cols % 8 == 0 and buffers come from cuMemAlloc (256-byte aligned), every region
         // starting at a multiple of cols elements.
         const int n8 = cols >> 3;
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
-        const uint4 *w4[GEMV_ROWS];
+        const uint4 *w4[ROWS];
 #pragma unroll
-        for (int r = 0; r < GEMV_ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
+        for (int r = 0; r < ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
 #pragma unroll 4
         for (int c = lane; c < n8; c += 32) {
-            uint4 wv[GEMV_ROWS];
+            uint4 wv[ROWS];
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) wv[r] = __ldg(w4[r] + c);
+            for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(w4[r] + c);
             const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
             const float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) {
+            for (int r = 0; r < ROWS; ++r) {
                 float wf[8];
                 unpack8(wv[r], wf, T());
 #pragma unroll
@@ -55,18 +65,15 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
         for (int c = lane; c < cols; c += 32) {
             const float xv = x[c];
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = fmaf(to_f(W[row_idx[r] * cols + c]), xv, acc[r]);
+            for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(to_f(W[row_idx[r] * cols + c]), xv, acc[r]);
         }
     }
 #pragma unroll
-    for (int r = 0; r < GEMV_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
     if (lane == 0) {
-        if (GATEUP) {
-            y[r0] = silu_mul_f(acc[0], acc[1]);
-        } else {
 #pragma unroll
-            for (int r = 0; r < GEMV_ROWS; ++r)
-                if (r0 + r < rows) y[r0 + r] = acc[r];
+        for (int j = 0; j < OUT; ++j) {
+            if (o0 + j < rows) y[o0 + j] = GATEUP ? silu_mul_f(acc[j], acc[OUT + j]) : acc[j];
         }
     }
 }
@@ -74,11 +81,19 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
 #define FERRUM_GEMV(S, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols) {                \
-        gemv<T, false>(y, W, x, rows, cols);                                                       \
+        gemv<T, 2, false>(y, W, x, rows, cols);                                                    \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols) {               \
+        gemv<T, 4, false>(y, W, x, rows, cols);                                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {         \
-        gemv<T, true>(y, W, x, rows, cols);                                                        \
+        gemv<T, 2, true>(y, W, x, rows, cols);                                                     \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {        \
+        gemv<T, 4, true>(y, W, x, rows, cols);                                                     \
     }
 
 FERRUM_GEMV(f16, f16)

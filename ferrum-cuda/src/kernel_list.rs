@@ -57,9 +57,15 @@ kernels! {
     /// Batch-1 projection: model-dtype weights, fp32 input and output.
     GemvF16 => "ferrum_gemv_f16" in "gemv",
     GemvBf16 => "ferrum_gemv_bf16" in "gemv",
+    /// The same with four rows per warp (bit-identical results; faster on some shapes).
+    Gemv4F16 => "ferrum_gemv4_f16" in "gemv",
+    Gemv4Bf16 => "ferrum_gemv4_bf16" in "gemv",
     /// Batch-1 gate|up projection with SiLU·mul fused on its output (fp32).
     GemvGateUpF16 => "ferrum_gemv_gateup_f16" in "gemv",
     GemvGateUpBf16 => "ferrum_gemv_gateup_bf16" in "gemv",
+    /// The same with two outputs (four weight rows) per warp.
+    Gemv4GateUpF16 => "ferrum_gemv4_gateup_f16" in "gemv",
+    Gemv4GateUpBf16 => "ferrum_gemv4_gateup_bf16" in "gemv",
     /// SiLU·mul in fp32 (prefill and cuBLAS path).
     SiluMul => "ferrum_silu_mul" in "gemv",
     /// fp32 activations to the model dtype (the input of a cuBLAS GEMM).

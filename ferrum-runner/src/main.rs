@@ -147,7 +147,9 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     if let Some(rest) = stream.flush()? {
         let _ = out.write_all(rest.as_bytes());
     }
-    let _ = writeln!(out);
+    if !quiet {
+        let _ = writeln!(out);
+    }
     drop(out);
     let how = match &stats.device {
         Some(d) if d.replays > 0 => format!("; tokens chosen on the GPU, {} graph replays", d.replays),

@@ -403,3 +403,29 @@ fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
         assert!(worst <= 1e-2, "{arch:?}: {worst:.3e}");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gemv_variants_are_bit_identical() {
+    init();
+    // hidden 256 / intermediate 512 and an odd vocabulary (rows not a multiple of any variant's
+    // outputs per block), every architecture.
+    for arch in ARCHS {
+        let mut cfg = config(arch, false, 2);
+        cfg.vocab_size = 1001;
+        let w = weights(&cfg, 31);
+        let p = prompt(40, cfg.vocab_size, 9);
+        let mut want = None;
+        for v in 0..4 {
+            let mut b = tp1(&w);
+            let choices = b.runner().gemv_choices();
+            assert_eq!(choices.len(), 5, "{choices:?}");
+            b.runner().force_gemv_variant(v);
+            let got: Vec<Vec<u32>> = host_logits(&mut b, &p, 16, 64).iter().map(|l| bits(l)).collect();
+            match &want {
+                None => want = Some(got),
+                Some(w) => assert!(w == &got, "{arch:?}: GEMV variant {v} differs from variant 0"),
+            }
+        }
+    }
+}

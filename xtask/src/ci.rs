@@ -113,14 +113,38 @@ pub fn run(a: CiArgs) -> Result<()> {
     t.run("loom model check (ferrum-tp barrier)", c)?;
 
     if a.gpu {
-        // Every crate's `tests/gpu.rs`, ignored (GPU-only) tests, one at a time; NVLink
-        // multicast stays off (shared machines must never create multicast objects).
-        for pkg in ["ferrum-cuda", "ferrum-nccl", "ferrum-graph", "ferrum-runner"] {
+        // Every crate's `tests/gpu.rs`, and the runner's graph/TP tests under both barriers,
+        // ignored (GPU-only) tests, one at a time; NVLink multicast stays off (shared machines
+        // must never create multicast objects). With fewer than two GPUs the tp2_* tests are
+        // skipped (as bundle/run-gpu-suite.sh does).
+        let two_gpus = std::process::Command::new("nvidia-smi")
+            .arg("-L")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU")).count() >= 2)
+            .unwrap_or(false);
+        let suites: &[(&str, &str, &str, bool)] = &[
+            ("ferrum-cuda", "gpu", "cuda", false),
+            ("ferrum-nccl", "gpu", "cuda", false),
+            ("ferrum-graph", "gpu", "cuda", false),
+            ("ferrum-runner", "gpu", "cuda", false),
+            ("ferrum-runner", "gpu_tp", "cuda", false),
+            ("ferrum-runner", "gpu_tp", "cuda,barrier-std", true),
+        ];
+        for &(pkg, test, features, std_barrier) in suites {
             let mut c = cargo();
-            c.args(["test", "-p", pkg, "--release", "--features", "cuda", "--test", "gpu"]);
+            c.args(["test", "-p", pkg, "--release", "--features", features, "--test", test]);
+            if std_barrier {
+                c.arg("--no-default-features");
+            }
             c.args(["--", "--ignored", "--test-threads=1"]);
+            if std_barrier {
+                c.arg("tp2_");
+            }
+            if !two_gpus {
+                c.args(["--skip", "tp2_", "--skip", "two_gpu"]);
+            }
             c.env("NCCL_NVLS_ENABLE", "0");
-            t.run(&format!("GPU suite: {pkg} (needs a CUDA GPU)"), c)?;
+            t.run(&format!("GPU suite: {pkg} {test} [{features}] (needs a CUDA GPU)"), c)?;
         }
     }
     t.summary();

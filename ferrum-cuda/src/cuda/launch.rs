@@ -112,6 +112,8 @@ pub(crate) struct Kernels {
     pub(crate) stream: Arc<CudaStream>,
     blas: CudaBlas,
     pub(crate) dtype: DType,
+    /// The GEMV variant per shape (filled by the runner's start-up tuning).
+    pub(crate) gemv_table: GemvTable,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -120,8 +122,46 @@ impl std::fmt::Debug for Kernels {
     }
 }
 
-pub(crate) const GEMV_ROWS_PER_BLOCK: usize = 16; // 8 warps x GEMV_ROWS (2), see gemv.cu
-const GEMV_BLOCK: u32 = 256;
+/// How a batch-1 GEMV is launched: rows per warp (2 or 4) and threads per block. Every variant
+/// computes each dot product in the same order, so all give bit-identical results (see
+/// gemv.cu); the runner times them per shape at start-up and keeps the fastest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct GemvVariant {
+    pub(crate) rows4: bool,
+    pub(crate) block: u32,
+}
+
+impl Default for GemvVariant {
+    fn default() -> Self {
+        GEMV_VARIANTS[0]
+    }
+}
+
+impl GemvVariant {
+    /// Outputs one warp produces (`gateup`: one output takes two weight rows).
+    fn outputs_per_warp(self, gateup: bool) -> usize {
+        match (self.rows4, gateup) {
+            (false, false) => 2,
+            (false, true) => 1,
+            (true, false) => 4,
+            (true, true) => 2,
+        }
+    }
+    fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
+        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * (self.block as usize / 32)))
+    }
+}
+
+/// The GEMV launch variants the runner chooses from.
+pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
+    GemvVariant { rows4: false, block: 256 },
+    GemvVariant { rows4: false, block: 128 },
+    GemvVariant { rows4: true, block: 256 },
+    GemvVariant { rows4: true, block: 128 },
+];
+
+/// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
+pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
 pub(crate) const ATTN_MAX_WARPS: u32 = 8;
 
@@ -143,7 +183,7 @@ impl Kernels {
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
-        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype })
+        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new() })
     }
 
     fn builder(&self, k: Kernel) -> LaunchArgs<'_> {
@@ -377,17 +417,22 @@ impl Kernels {
         let pw = w.need(rows * cols, "gemv W")?;
         let px = x.need(cols, "gemv x")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        let mut b = self.builder(pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16));
+        let v = self.gemv_table.get(&(rows, cols, false)).copied().unwrap_or_default();
+        let k = match v.rows4 {
+            false => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+            true => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+        };
+        let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
-        let grid = grid1(rows.div_ceil(GEMV_ROWS_PER_BLOCK))?;
-        // SAFETY: each warp reads rows r0, r0+1 of W (clamped to rows-1) over cols and the f32
-        // x over cols, and writes the f32 y[r] for r < rows only; extents checked above;
-        // signature (f32*, const T*, const f32*, int, int) matches. The vector path runs only
-        // when cols % 8 == 0; then W's rows are 16-byte aligned and x is 32-byte aligned (it is
-        // read as float4 pairs), because allocations are 256-byte aligned and every region
-        // passed here starts at a whole matrix or at an activation row, i.e. at a multiple of
-        // cols elements.
-        unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv"))?;
+        let grid = v.grid(rows, false)?;
+        // SAFETY: each warp reads ROWS (2 or 4) consecutive rows of W (clamped to rows-1) over
+        // cols and the f32 x over cols, and writes the f32 y[r] for r < rows only; extents
+        // checked above; signature (f32*, const T*, const f32*, int, int) matches. The vector
+        // path runs only when cols % 8 == 0; then W's rows are 16-byte aligned and x is 32-byte
+        // aligned (it is read as float4 pairs), because allocations are 256-byte aligned and
+        // every region passed here starts at a whole matrix or at an activation row, i.e. at a
+        // multiple of cols elements.
+        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
 
@@ -405,14 +450,19 @@ impl Kernels {
         let pw = w.need(2 * inter * cols, "gateup W")?;
         let px = x.need(cols, "gateup x")?;
         let (r, c) = (i32_of(inter, "inter")?, i32_of(cols, "cols")?);
-        let mut b = self.builder(pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16));
+        let v = self.gemv_table.get(&(inter, cols, true)).copied().unwrap_or_default();
+        let k = match v.rows4 {
+            false => pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16),
+            true => pick(self.dtype, Kernel::Gemv4GateUpF16, Kernel::Gemv4GateUpBf16),
+        };
+        let mut b = self.builder(k);
         b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c);
-        let grid = grid1(inter.div_ceil(GEMV_BLOCK as usize / 32))?;
-        // SAFETY: warp i < inter reads W rows i and inter + i over cols (both < 2*inter) and the
-        // f32 x over cols, and writes the f32 h[i]; warps with i >= inter return at once;
-        // extents checked above; signature (f32*, const T*, const f32*, int, int) matches;
-        // alignment as for `gemv`.
-        unsafe { b.launch(cfg((grid, 1, 1), GEMV_BLOCK)) }.map_err(Error::driver("gemv_gateup"))?;
+        let grid = v.grid(inter, true)?;
+        // SAFETY: each warp computes outputs i < inter only (1 or 2 per warp), reading W rows i
+        // and inter + i (clamped below inter and 2*inter) over cols and the f32 x over cols,
+        // and writes the f32 h[i] for i < inter; extents checked above; signature (f32*,
+        // const T*, const f32*, int, int) matches; alignment as for `gemv`.
+        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
 

@@ -9,7 +9,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use launch::{region, whole, Feed, Kernels, Region};
+use launch::{region, whole, Feed, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -612,7 +612,8 @@ impl CudaDecodeRunner {
         Self::finish(spec, ctx, k, w, sms)
     }
 
-    fn finish(spec: CudaModelSpec, ctx: Arc<CudaContext>, k: Kernels, w: Weights, sms: usize) -> Result<Self> {
+    fn finish(spec: CudaModelSpec, ctx: Arc<CudaContext>, mut k: Kernels, w: Weights, sms: usize) -> Result<Self> {
+        tune_gemv(&ctx, &mut k, &spec, &w)?;
         let stream = k.stream.clone();
         let mut inv_freq = alloc::<f32>(&ctx, &stream, spec.rope_inv_freq.len(), "RoPE table")?;
         stream.memcpy_htod(&spec.rope_inv_freq, &mut inv_freq).map_err(Error::driver("uploading the RoPE table"))?;
@@ -1039,6 +1040,29 @@ impl CudaDecodeRunner {
         Ok(&all[..n.min(all.len())])
     }
 
+    /// The GEMV launch variant chosen per projection shape at start-up, as
+    /// `(rows, cols, gate|up, "rows per warp x threads per block")`.
+    pub fn gemv_choices(&self) -> Vec<(usize, usize, bool, String)> {
+        let mut v: Vec<_> = self
+            .k
+            .gemv_table
+            .iter()
+            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}", if v.rows4 { 4 } else { 2 }, v.block)))
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// For tests: launches every tuned GEMV shape with variant `i` (of 4). All variants give
+    /// bit-identical results; this lets a test check that.
+    #[doc(hidden)]
+    pub fn force_gemv_variant(&mut self, i: usize) {
+        let v = GEMV_VARIANTS[i % GEMV_VARIANTS.len()];
+        for e in self.k.gemv_table.values_mut() {
+            *e = v;
+        }
+    }
+
     /// Fault injection for failure tests: enqueues a kernel launch that CUDA rejects (a block of
     /// 2048 threads) and returns the driver's genuine error. Nothing is written.
     #[doc(hidden)]
@@ -1060,6 +1084,61 @@ impl CudaDecodeRunner {
         s.len = len;
         Ok(())
     }
+}
+
+/// Times every GEMV variant on each decode projection shape (the runner's own weights of layer
+/// 0 and the LM head, a zero input; 3 warm-ups, then the median of 7 by CUDA events) and keeps
+/// the fastest per shape. All variants give bit-identical results, so this changes speed only.
+fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights) -> Result<()> {
+    let Some(l0) = w.layers.first() else { return Ok(()) };
+    let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+    let shapes: [(usize, usize, bool, &CudaSlice<u16>); 5] = [
+        (s.qkv_dim(), s.hidden, false, &l0.wqkv),
+        (s.hidden, s.q_dim(), false, &l0.wo),
+        (s.intermediate, s.hidden, true, &l0.wgu),
+        (s.hidden, s.intermediate, false, &l0.wdown),
+        (s.vocab, s.hidden, false, head),
+    ];
+    let st = k.stream.clone();
+    let widest = shapes.iter().map(|x| x.1).max().unwrap_or(1);
+    let tallest = shapes.iter().map(|x| x.0).max().unwrap_or(1);
+    let x = alloc::<f32>(ctx, &st, widest, "GEMV tuning input")?;
+    let y = alloc::<f32>(ctx, &st, tallest, "GEMV tuning output")?;
+    let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver("creating an event"));
+    let (e0, e1) = (ev()?, ev()?);
+    for (rows, cols, gateup, wb) in shapes {
+        let key = (rows, cols, gateup);
+        if k.gemv_table.contains_key(&key) {
+            continue;
+        }
+        let mut best = (f32::MAX, GemvVariant::default());
+        for v in GEMV_VARIANTS {
+            k.gemv_table.insert(key, v);
+            let mut times = Vec::with_capacity(7);
+            for it in 0..10 {
+                e0.record(&st).map_err(Error::driver("event record"))?;
+                let (yr, wr, xr) = (region(&y, &st, 0, rows)?, whole(wb, &st)?, region(&x, &st, 0, cols)?);
+                if gateup {
+                    k.gemv_gateup(yr, wr, xr, rows, cols)?;
+                } else {
+                    k.gemv(yr, wr, xr, rows, cols)?;
+                }
+                e1.record(&st).map_err(Error::driver("event record"))?;
+                e1.synchronize().map_err(Error::driver("event sync"))?;
+                if it >= 3 {
+                    times.push(e0.elapsed_ms(&e1).map_err(Error::driver("event time"))?);
+                }
+            }
+            times.sort_by(f32::total_cmp);
+            let t = times[times.len() / 2];
+            if t < best.0 {
+                best = (t, v);
+            }
+        }
+        k.gemv_table.insert(key, best.1);
+        tracing::debug!(rows, cols, gateup, variant = ?best.1, us = best.0 * 1e3, "GEMV variant chosen");
+    }
+    Ok(())
 }
 
 /// y = W x for `n` rows of x (x and y fp32, W in the dtype): GEMV at batch 1 (unless cuBLAS
