@@ -54,7 +54,9 @@ if [ -z "${SKIP_BENCH:-}" ]; then
     TPS="1"; [ "$GPUS" -ge 2 ] && TPS="1 2"
     say "== ferrum bench (bf16, 128-token prompt, 256 new tokens, median of 3 runs; device loop, graphs)"
     for tp in $TPS; do
-    for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+    models=${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}
+    [ "$tp" = 2 ] && models=${TP2_MODELS:-$models}
+    for m in $models; do
         "$B/ferrum" bench --device cuda --tp $tp --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
             --runs 3 --json >"$OUT/bench-$m-tp$tp.json" 2>>"$OUT/bench.log"
         python3 - "$OUT/bench-$m-tp$tp.json" <<'PY' | tee -a "$S"
@@ -70,6 +72,14 @@ print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']
 PY
     done
     done
+    if [ -z "${SKIP_NOPDL:-}" ]; then
+        say "== the same TP1 runs with FERRUM_PDL=0 (no programmatic dependent launch: compute_80 PTX)"
+        for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+            FERRUM_PDL=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+                --runs 3 --json >"$OUT/bench-$m-nopdl.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no PDL: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nopdl.json" | tee -a "$S"
+        done
+    fi
     if [ -z "${SKIP_LONG:-}" ]; then
         say "== llama3-8b TP1: prefill of 1024 tokens; decode at 8k context (7936-token prompt + 256)"
         "$B/ferrum" bench --device cuda --synthetic llama3-8b --dtype bf16 --prompt-tokens 1024 --gen-tokens 32 \
@@ -92,7 +102,7 @@ PY
         say "== all-reduce latency (NCCL, 2 GPUs, in a graph and eager)"
         "$B/ferrum" bench --all-reduce --device cuda --tp 2 --hidden 4096 2>>"$OUT/bench.log" | tee -a "$S"
     fi
-    if [ -f "$B/torch_decode.py" ]; then
+    if [ -f "$B/torch_decode.py" ] && [ -z "${SKIP_PEER:-}" ]; then
         say "== PyTorch peer (same GPU, same command)"
         python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
     fi

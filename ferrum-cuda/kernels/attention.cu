@@ -210,6 +210,7 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         float *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache, T *v_cache,       \
         const float *inv_freq, const uint32_t *pos_base, int heads, int kv_heads, int hd,          \
         int capacity, float eps) {                                                                 \
+        FERRUM_PDL_ENTRY();                                                                        \
         rope_qkv<T>(qkv, bias, q_norm, k_norm, k_cache, v_cache, inv_freq, pos_base, heads,        \
                     kv_heads, hd, capacity, eps);                                                  \
     }                                                                                              \
@@ -217,12 +218,14 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
         float *part_acc, float *part_ml, const uint32_t *pos_base, int heads, int kv_heads,        \
         int hd, int capacity, float scale) {                                                       \
+        FERRUM_PDL_ENTRY();                                                                        \
         attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads, kv_heads,  \
                 hd, capacity, scale);                                                              \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \
                                                        int n_splits) {                             \
+        FERRUM_PDL_ENTRY();                                                                        \
         attn_combine<T>(out, part_acc, part_ml, heads, hd, n_splits);                              \
     }
 

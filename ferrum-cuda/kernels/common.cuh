@@ -10,6 +10,28 @@ typedef __nv_bfloat16 bf16;
 
 #define FERRUM_NEG_INF (-__int_as_float(0x7f800000))
 
+// Programmatic dependent launch (the compute_90 build, -DFERRUM_PDL; the runner launches with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION). Every kernel starts with this, before
+// it touches global memory: griddepcontrol.wait returns once the previous kernel in the stream
+// has completed and its writes are visible, so neither a read-after-write nor a
+// write-after-read hazard with it is possible (and by induction with any earlier kernel); then
+// griddepcontrol.launch_dependents lets the next kernel's blocks launch while this one runs
+// (they wait in their own griddepcontrol.wait), which hides the launch gap between kernels.
+// The next kernel launches only once every block of this one has triggered or exited, i.e.
+// after all of this kernel's blocks were scheduled, so it cannot starve them. Both instructions
+// are no-ops for a kernel launched without the attribute; the compute_80 build omits them.
+#if defined(FERRUM_PDL) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define FERRUM_PDL_ENTRY()                                                                         \
+    do {                                                                                           \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
+        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                            \
+    } while (0)
+#else
+#define FERRUM_PDL_ENTRY() \
+    do {                   \
+    } while (0)
+#endif
+
 __device__ __forceinline__ float to_f(f16 x) { return __half2float(x); }
 __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(float x) { return x; }

@@ -81,18 +81,22 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
 #define FERRUM_GEMV(S, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols) {                \
+        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, false>(y, W, x, rows, cols);                                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols) {               \
+        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, false>(y, W, x, rows, cols);                                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {         \
+        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, true>(y, W, x, rows, cols);                                                     \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {        \
+        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, true>(y, W, x, rows, cols);                                                     \
     }
 
@@ -101,6 +105,7 @@ FERRUM_GEMV(bf16, bf16)
 
 // out[t][i] = silu(gu[t][i]) * gu[t][inter + i], all fp32 (prefill and the cuBLAS path).
 extern "C" __global__ void ferrum_silu_mul(float *out, const float *gu, int inter, int n_tok) {
+    FERRUM_PDL_ENTRY();
     const size_t n = (size_t)inter * n_tok;
     for (size_t k = (size_t)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (size_t)gridDim.x * blockDim.x) {
@@ -117,8 +122,10 @@ template <typename T> __device__ void to_dtype(T *out, const float *x, unsigned 
         out[k] = from_f<T>(x[k]);
 }
 extern "C" __global__ void ferrum_to_dtype_f16(f16 *out, const float *x, unsigned long long n) {
+    FERRUM_PDL_ENTRY();
     to_dtype<f16>(out, x, n);
 }
 extern "C" __global__ void ferrum_to_dtype_bf16(bf16 *out, const float *x, unsigned long long n) {
+    FERRUM_PDL_ENTRY();
     to_dtype<bf16>(out, x, n);
 }

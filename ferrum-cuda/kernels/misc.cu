@@ -59,6 +59,7 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
                                                  float inv_temp, unsigned long long seed,
                                                  const uint32_t *step, float *part_v,
                                                  uint32_t *part_i) {
+    FERRUM_PDL_ENTRY();
     const int start = blockIdx.x * chunk, end = min(start + chunk, n);
     const uint64_t pos = step ? (uint64_t)step[1] : 0ull;
     const uint64_t key = splitmix64(seed ^ splitmix64(pos));
@@ -94,6 +95,7 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
 extern "C" __global__ void ferrum_argmax_final(const float *part_v, const uint32_t *part_i,
                                                int n_parts, uint32_t *out, uint32_t *step,
                                                uint32_t *history, int capacity) {
+    FERRUM_PDL_ENTRY();
     float v = FERRUM_NEG_INF;
     uint32_t i = 0xffffffffu;
     for (int k = threadIdx.x; k < n_parts; k += blockDim.x) {
@@ -139,6 +141,7 @@ __device__ void init_uniform(T *out, int rows, int cols, long long full_cols, lo
                                                        long long full_cols, long long row0,        \
                                                        long long col0, unsigned long long seed,    \
                                                        float offset, float half_width) {           \
+        FERRUM_PDL_ENTRY();                                                                        \
         init_uniform<T>(out, rows, cols, full_cols, row0, col0, seed, offset, half_width);         \
     }
 

@@ -55,14 +55,17 @@ __device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w, 
 #define FERRUM_NORM(S, T)                                                                          \
     extern "C" __global__ void ferrum_embed_##S(float *x, const T *table, const uint32_t *tokens,  \
                                                 int vocab, int hidden) {                           \
+        FERRUM_PDL_ENTRY();                                                                        \
         embed<T>(x, table, tokens, vocab, hidden);                                                 \
     }                                                                                              \
     extern "C" __global__ void ferrum_rmsnorm_##S(float *y, const float *x, const T *w,            \
                                                   int hidden, float eps) {                         \
+        FERRUM_PDL_ENTRY();                                                                        \
         rmsnorm<T>(y, x, w, hidden, eps);                                                          \
     }                                                                                              \
     extern "C" __global__ void ferrum_add_rmsnorm_##S(float *x, const float *delta, float *y,      \
                                                       const T *w, int hidden, float eps) {         \
+        FERRUM_PDL_ENTRY();                                                                        \
         add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
     }
 

@@ -1,7 +1,9 @@
 //! `cargo xtask ptx [--check]`: builds `ferrum-cuda/kernels/*.cu` to PTX with a pinned nvcc.
 //!
-//! - `cargo xtask ptx` writes `ferrum-cuda/ptx/<name>.ptx` (committed; ferrum-cuda embeds it
-//!   with `include_str!`, so building ferrum needs no CUDA toolkit).
+//! - `cargo xtask ptx` writes `ferrum-cuda/ptx/<name>.ptx` for compute_80 and
+//!   `ferrum-cuda/ptx/sm90/<name>.ptx` for compute_90 with `-DFERRUM_PDL` (programmatic
+//!   dependent launch: each kernel waits for its predecessor with `griddepcontrol`); both are
+//!   committed and embedded with `include_str!`, so building ferrum needs no CUDA toolkit.
 //! - `cargo xtask ptx --check` rebuilds into a temporary folder and fails when the committed PTX
 //!   is stale (byte compare after the header), runs `ptxas -v` for sm_80 and sm_90 and fails on
 //!   any spill or local-memory stack frame, prints registers and shared memory per kernel, and
@@ -23,8 +25,10 @@ mod kernel_list {
 
 /// The pinned nvcc version (as `nvcc --version` prints it, after the `V`).
 pub const NVCC_VERSION: &str = "13.0.88";
-/// The PTX target: the driver JIT-compiles it for sm_80 and later (the H100/H200 are sm_90).
-pub const ARCH: &str = "compute_80";
+/// The PTX targets: `(subfolder of ferrum-cuda/ptx, -arch, extra nvcc flags)`. The driver
+/// JIT-compiles compute_80 for sm_80 and later; the compute_90 set (H100/H200) adds
+/// programmatic dependent launch.
+pub const TARGETS: &[(&str, &str, &[&str])] = &[("", "compute_80", &[]), ("sm90", "compute_90", &["-DFERRUM_PDL"])];
 const PIP_PACKAGES: &[&str] = &[
     "nvidia-cuda-nvcc==13.0.88",
     "nvidia-cuda-cccl==13.0.85",
@@ -115,8 +119,11 @@ pub fn find_nvcc() -> Result<Nvcc> {
         .with_context(|| format!("{} is not nvcc {NVCC_VERSION} after the install", cached.display()))
 }
 
-fn header(name: &str) -> String {
-    format!("{HEADER_PREFIX} from ferrum-cuda/kernels/{name}.cu (nvcc {NVCC_VERSION}, -arch={ARCH} -O3), do not edit\n")
+fn header(name: &str, arch: &str, flags: &[&str]) -> String {
+    let extra: String = flags.iter().map(|f| format!(" {f}")).collect();
+    format!(
+        "{HEADER_PREFIX} from ferrum-cuda/kernels/{name}.cu (nvcc {NVCC_VERSION}, -arch={arch} -O3{extra}), do not edit\n"
+    )
 }
 
 /// The `.cu` sources, by module name, sorted.
@@ -133,13 +140,13 @@ fn sources(root: &Path) -> Result<BTreeMap<String, PathBuf>> {
 }
 
 /// Compiles one source to PTX text (with the header).
-fn compile(nvcc: &Nvcc, root: &Path, name: &str, out_dir: &Path) -> Result<String> {
+fn compile(nvcc: &Nvcc, root: &Path, name: &str, out_dir: &Path, arch: &str, flags: &[&str]) -> Result<String> {
     let kdir = root.join("ferrum-cuda/kernels");
     let out = out_dir.join(format!("{name}.ptx"));
     let mut cmd = Command::new(&nvcc.bin);
     // Relative source path and cwd in the kernels folder: nothing machine-specific can end up in
     // the PTX (it holds no paths without -lineinfo/-G anyway; the check rebuilds and compares).
-    cmd.current_dir(&kdir).args(["-ptx", &format!("-arch={ARCH}"), "-O3", "-std=c++17", "-I."]);
+    cmd.current_dir(&kdir).args(["-ptx", &format!("-arch={arch}"), "-O3", "-std=c++17", "-I."]).args(flags);
     for inc in &nvcc.includes {
         cmd.arg(format!("-I{}", inc.display()));
     }
@@ -153,7 +160,7 @@ fn compile(nvcc: &Nvcc, root: &Path, name: &str, out_dir: &Path) -> Result<Strin
         );
     }
     let body = fs::read_to_string(&out)?;
-    Ok(format!("{}{}", header(name), body))
+    Ok(format!("{}{}", header(name, arch, flags), body))
 }
 
 fn strip_header(s: &str) -> &str {
@@ -244,42 +251,50 @@ pub fn run(a: PtxArgs) -> Result<()> {
             bail!("kernel sources {found:?} differ from ferrum-cuda's PTX_MODULES {listed:?}");
         }
     }
-    let ptx_dir = root.join("ferrum-cuda/ptx");
+    let ptx_root = root.join("ferrum-cuda/ptx");
     if !a.check {
-        fs::create_dir_all(&ptx_dir)?;
-        let tmp = temp_dir("build")?;
-        for name in srcs.keys() {
-            let text = compile(&nvcc, &root, name, &tmp)?;
-            let dst = ptx_dir.join(format!("{name}.ptx"));
-            if fs::read_to_string(&dst).ok().as_deref() != Some(text.as_str()) {
-                fs::write(&dst, &text)?;
-                println!("wrote {}", dst.display());
-            } else {
-                println!("unchanged {}", dst.display());
+        for (sub, arch, flags) in TARGETS {
+            let ptx_dir = ptx_root.join(sub);
+            fs::create_dir_all(&ptx_dir)?;
+            let tmp = temp_dir("build")?;
+            for name in srcs.keys() {
+                let text = compile(&nvcc, &root, name, &tmp, arch, flags)?;
+                let dst = ptx_dir.join(format!("{name}.ptx"));
+                if fs::read_to_string(&dst).ok().as_deref() != Some(text.as_str()) {
+                    fs::write(&dst, &text)?;
+                    println!("wrote {}", dst.display());
+                } else {
+                    println!("unchanged {}", dst.display());
+                }
             }
+            let _ = fs::remove_dir_all(&tmp);
         }
-        let _ = fs::remove_dir_all(&tmp);
         return Ok(());
     }
 
     let mut failures = Vec::new();
-    // 1. Staleness (twice, to catch a non-deterministic build).
-    let tmp = temp_dir("check")?;
-    let tmp2 = temp_dir("check2")?;
-    for name in srcs.keys() {
-        let fresh = compile(&nvcc, &root, name, &tmp)?;
-        let again = compile(&nvcc, &root, name, &tmp2)?;
-        if fresh != again {
-            failures.push(format!("{name}.ptx is not reproducible: two builds differ"));
+    // 1. Staleness (twice, to catch a non-deterministic build), for every target.
+    for (sub, arch, flags) in TARGETS {
+        let ptx_dir = ptx_root.join(sub);
+        let tmp = temp_dir("check")?;
+        let tmp2 = temp_dir("check2")?;
+        for name in srcs.keys() {
+            let fresh = compile(&nvcc, &root, name, &tmp, arch, flags)?;
+            let again = compile(&nvcc, &root, name, &tmp2, arch, flags)?;
+            let shown = ptx_dir.join(format!("{name}.ptx"));
+            if fresh != again {
+                failures.push(format!("{} is not reproducible: two builds differ", shown.display()));
+            }
+            match fs::read_to_string(&shown) {
+                Ok(committed) if strip_header(&committed) == strip_header(&fresh) => {}
+                Ok(_) => failures.push(format!("{} is stale: run `cargo xtask ptx`", shown.display())),
+                Err(e) => failures.push(format!("{}: {e}", shown.display())),
+            }
         }
-        match fs::read_to_string(ptx_dir.join(format!("{name}.ptx"))) {
-            Ok(committed) if strip_header(&committed) == strip_header(&fresh) => {}
-            Ok(_) => failures.push(format!("ferrum-cuda/ptx/{name}.ptx is stale: run `cargo xtask ptx`")),
-            Err(e) => failures.push(format!("ferrum-cuda/ptx/{name}.ptx: {e}")),
-        }
+        let _ = fs::remove_dir_all(&tmp);
+        let _ = fs::remove_dir_all(&tmp2);
     }
-    let _ = fs::remove_dir_all(&tmp);
-    let _ = fs::remove_dir_all(&tmp2);
+    let ptx_dir = ptx_root.clone();
 
     // 2. Kernel names used by the Rust side.
     let mut entries = std::collections::BTreeSet::new();
@@ -291,9 +306,18 @@ pub fn run(a: PtxArgs) -> Result<()> {
             }
         }
     }
+    let mut entries90 = std::collections::BTreeSet::new();
+    for name in srcs.keys() {
+        let text = fs::read_to_string(ptx_dir.join("sm90").join(format!("{name}.ptx"))).unwrap_or_default();
+        for line in text.lines() {
+            if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
+                entries90.insert(rest.split('(').next().unwrap_or("").trim().to_string());
+            }
+        }
+    }
     for k in kernel_list::KERNEL_NAMES {
-        if !entries.contains(*k) {
-            failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the PTX"));
+        if !entries.contains(*k) || !entries90.contains(*k) {
+            failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the PTX (compute_80 or 90)"));
         }
     }
 
@@ -313,6 +337,21 @@ pub fn run(a: PtxArgs) -> Result<()> {
                     ));
                 }
                 table.entry(k).or_default()[i] = u;
+            }
+        }
+    }
+    // The compute_90 (PDL) set, for sm_90.
+    for name in srcs.keys() {
+        let p = ptx_dir.join("sm90").join(format!("{name}.ptx"));
+        if !p.is_file() {
+            continue;
+        }
+        for (k, u) in ptxas(&nvcc, &p, "sm_90")? {
+            if u.stack > 0 || u.spill_st > 0 || u.spill_ld > 0 {
+                failures.push(format!(
+                    "{k} (compute_90 PDL set, sm_90): {} bytes stack frame, {} spill stores, {} spill loads",
+                    u.stack, u.spill_st, u.spill_ld
+                ));
             }
         }
     }

@@ -7,8 +7,9 @@ use crate::kernel_list::Kernel;
 use crate::ptx;
 use crate::spec::DType;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
+use cudarc::driver::sys as cu;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, LaunchArgs, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use std::marker::PhantomData;
@@ -105,6 +106,69 @@ pub(crate) struct Feed<'a> {
     pub(crate) capacity: usize,
 }
 
+/// Most arguments of a ferrum kernel.
+const MAX_ARGS: usize = 16;
+
+/// One kernel launch being assembled (cudarc's `LaunchArgs`, plus programmatic dependent launch):
+/// the function, the stream, and pointers to the argument values, which are borrowed for `'a`
+/// so they outlive the launch call. No allocation.
+pub(crate) struct Launch<'a> {
+    func: &'a CudaFunction,
+    stream: &'a CudaStream,
+    args: [*mut std::ffi::c_void; MAX_ARGS],
+    n: usize,
+    pdl: bool,
+}
+
+impl<'a> Launch<'a> {
+    /// Appends a kernel argument (its value is read by the driver at launch).
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        if self.n < MAX_ARGS {
+            self.args[self.n] = v as *const T as *mut std::ffi::c_void;
+        }
+        // Past MAX_ARGS the count still grows, and `launch` refuses.
+        self.n += 1;
+        self
+    }
+
+    /// Launches with `cuLaunchKernelEx` on the stream; with programmatic dependent launch
+    /// allowed when the kernels were built for it (the compute_90 PTX, whose kernels all start
+    /// with `griddepcontrol.wait`: see `FERRUM_PDL_ENTRY` in common.cuh).
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameter list in number, order and type, and
+    /// every memory access the kernel makes with them must be in bounds (each caller checks the
+    /// extents and says so in its `SAFETY` comment).
+    pub(crate) unsafe fn launch(&mut self, c: LaunchConfig) -> Result<(), DriverError> {
+        if self.n > MAX_ARGS {
+            return Err(DriverError(cu::CUresult::CUDA_ERROR_INVALID_VALUE));
+        }
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: an all-zero CUlaunchAttribute is a valid (plain C) value; the union field
+        // written next is the one the PROGRAMMATIC_STREAM_SERIALIZATION id selects.
+        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = cu::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: if self.pdl { &mut attr } else { std::ptr::null_mut() },
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: `config` and `attr` live across the call; `args[..n]` point to argument values
+        // borrowed for 'a (alive), matching the kernel's parameters per this function's
+        // contract; the function belongs to the stream's context (loaded in `Kernels::load`).
+        unsafe { cu::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+    }
+}
+
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
     funcs: Vec<CudaFunction>,
@@ -114,6 +178,8 @@ pub(crate) struct Kernels {
     pub(crate) dtype: DType,
     /// The GEMV variant per shape (filled by the runner's start-up tuning).
     pub(crate) gemv_table: GemvTable,
+    /// Kernels launch with programmatic dependent launch (compute_90 PTX on an sm_90+ GPU).
+    pub(crate) pdl: bool,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -166,9 +232,14 @@ pub(crate) const ARGMAX_CHUNK: usize = 4096;
 pub(crate) const ATTN_MAX_WARPS: u32 = 8;
 
 impl Kernels {
+    /// Loads the kernels for `ctx`'s GPU: the compute_90 PTX with programmatic dependent launch
+    /// on sm_90 and later (unless `FERRUM_PDL=0` is set), the compute_80 PTX otherwise.
     pub(crate) fn load(ctx: &Arc<CudaContext>, stream: Arc<CudaStream>, dtype: DType) -> Result<Self> {
+        let (major, _) = ctx.compute_capability().map_err(Error::driver("compute capability"))?;
+        let pdl = major >= 9 && std::env::var("FERRUM_PDL").map_or(true, |v| v.trim() != "0");
+        let set = if pdl { ptx::MODULES_SM90 } else { ptx::MODULES };
         let mut modules = Vec::new();
-        for (name, text) in ptx::MODULES {
+        for (name, text) in set {
             let m = ctx
                 .load_module(Ptx::from_src(*text))
                 .map_err(|e| Error::Driver { what: "loading PTX", msg: format!("module {name}: {e}") })?;
@@ -178,17 +249,24 @@ impl Kernels {
         for k in Kernel::ALL {
             // Look each kernel up in its own module only (no probing: a failed lookup is a real
             // error, and it keeps compute-sanitizer's API-error log clean).
-            let i = ptx::MODULES.iter().position(|(n, _)| *n == k.module()).ok_or(Error::MissingKernel(k.name()))?;
+            let i = set.iter().position(|(n, _)| *n == k.module()).ok_or(Error::MissingKernel(k.name()))?;
             let f = modules[i].load_function(k.name()).map_err(|_| Error::MissingKernel(k.name()))?;
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
-        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new() })
+        tracing::debug!(pdl, "kernels loaded");
+        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new(), pdl })
     }
 
-    fn builder(&self, k: Kernel) -> LaunchArgs<'_> {
+    fn builder(&self, k: Kernel) -> Launch<'_> {
         // Kernel::ALL[i] == i-th variant and `funcs` was filled in that order.
-        self.stream.launch_builder(&self.funcs[k as usize])
+        Launch {
+            func: &self.funcs[k as usize],
+            stream: &self.stream,
+            args: [std::ptr::null_mut(); MAX_ARGS],
+            n: 0,
+            pdl: self.pdl,
+        }
     }
 
     /// `x[r][:] = table[tokens[r]][:]` for `rows` rows (ids >= vocab give zero rows).

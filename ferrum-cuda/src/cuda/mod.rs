@@ -19,6 +19,8 @@ pub(crate) type DevBuf<T> = CudaSlice<T>;
 pub const PREFILL_CHUNK: usize = 512;
 /// Most KV splits of the decode attention.
 pub const MAX_SPLITS: usize = 64;
+/// Most cache rows per split of the decode attention for long caches (see `init_sequence`).
+const ATTN_ROWS_PER_SPLIT: usize = 128;
 
 fn unavailable(e: DriverError) -> Error {
     Error::Unavailable(e.to_string())
@@ -704,9 +706,13 @@ impl CudaDecodeRunner {
         let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
         let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
         let history = alloc::<u32>(&self.ctx, &self.k.stream, capacity + 1, "token history")?;
-        // Fixed split count per sequence: about two blocks per SM over the heads, at least 64
-        // rows per split, at most MAX_SPLITS. The kernel spreads the current length over them.
-        let n_splits = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64)).clamp(1, MAX_SPLITS);
+        // Fixed split count per sequence (the kernel spreads the current length over them): at
+        // least about two blocks per SM over the heads (at least 64 rows per split), and for long
+        // caches at most ATTN_ROWS_PER_SPLIT rows per split, so a warp walks at most a quarter of
+        // that; capped at MAX_SPLITS. Each warp's walk is a chain of dependent loads, so long
+        // contexts need many more warps in flight than two blocks per SM give.
+        let wide = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64));
+        let n_splits = wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS);
         self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
     }
