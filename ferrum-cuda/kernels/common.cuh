@@ -18,8 +18,9 @@ typedef __nv_bfloat16 bf16;
 // griddepcontrol.launch_dependents lets the next kernel's blocks launch while this one runs
 // (they wait in their own griddepcontrol.wait), which hides the launch gap between kernels.
 // The next kernel launches only once every block of this one has triggered or exited, i.e.
-// after all of this kernel's blocks were scheduled, so it cannot starve them. Both instructions
-// are no-ops for a kernel launched without the attribute; the compute_80 build omits them.
+// after all of this kernel's blocks were scheduled, so it cannot starve them. The wait is a
+// no-op when this kernel was launched without the attribute; the trigger only matters when the
+// next kernel was launched with it; the compute_80 build omits both.
 #if defined(FERRUM_PDL) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define FERRUM_PDL_ENTRY()                                                                         \
     do {                                                                                           \

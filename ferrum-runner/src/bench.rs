@@ -59,6 +59,8 @@ struct Report {
     runs: usize,
     prefill_ms_median: f64,
     decode_ms_per_token_median: f64,
+    /// Host loop: the 99th percentile over all timed steps; device loop: the slowest run's
+    /// mean (a run is timed as a whole).
     decode_ms_per_token_p99: f64,
     decode_tok_per_s: f64,
     weight_bytes_per_token: u64,
@@ -73,7 +75,7 @@ struct Report {
     /// Device loop with graphs: host time to queue one replay (mean over the timed runs), µs.
     host_us_per_token: Option<f64>,
     /// Device loop with graphs: time to capture, instantiate and upload the step graph, ms
-    /// (the warm-up run's; on TP the slowest rank's is not separated: rank 0's).
+    /// (of the last run that captured, normally the warm-up run; on TP, rank 0's).
     capture_ms: Option<f64>,
 }
 
@@ -205,7 +207,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs);
         println!("prefill               {:.2} ms (median)", r.prefill_ms_median);
         println!("mode                  {}", r.mode);
-        println!("decode                {:.3} ms/token median, {:.3} p99", med, r.decode_ms_per_token_p99);
+        let worst = if device { "worst run" } else { "p99" };
+        println!("decode                {:.3} ms/token median, {:.3} {worst}", med, r.decode_ms_per_token_p99);
         if let (Some(h), Some(c)) = (r.host_us_per_token, r.capture_ms) {
             println!("host per token        {h:.2} µs to queue a replay; capture {c:.1} ms");
         }

@@ -402,7 +402,11 @@ pub fn synthetic_group(
 
 /// This process's rank of a multi-process group: its shard of `weights` on GPU
 /// `(ordinal + rank) % device count` (so `--device cuda` puts rank r on GPU r of a shared
-/// machine, and on GPU 0 of a one-GPU machine), joined to the others through `dist.rendezvous`.
+/// machine, and on GPU 0 of a machine with one GPU per rank, e.g. one process per node; NCCL
+/// refuses two ranks on one GPU), joined to the others through `dist.rendezvous`.
+///
+/// Known limit: a rank whose peer *process* dies waits in its next collective until NCCL's own
+/// timeouts (no watchdog polls `check_async_error` yet); the in-process group aborts at once.
 pub fn open_process_rank(
     weights: &ModelWeights,
     ordinal: usize,

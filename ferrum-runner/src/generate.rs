@@ -17,23 +17,41 @@ pub struct GenerateOptions {
     /// Keep every step's logits (`steps × vocab`) for `--dump-logits` (forces host steps).
     pub keep_logits: bool,
     /// Let backends that can (CUDA) choose tokens on the device, with no host round trip per
-    /// token (greedy, or temperature-only sampling; top-k / top-p always sample on the host).
+    /// token. Greedy decoding only for now: ferrum-cuda's on-device Gumbel-max sampling has a
+    /// known defect (its uniform draw can round to 1.0, which makes one token win outright
+    /// about V/2^24 of the time), so sampled generations choose on the host until it is fixed.
     pub device_loop: bool,
 }
 
 impl GenerateOptions {
-    /// How the device can choose tokens for these settings, if it can.
+    /// How the device can choose tokens for these settings, if it can: greedy only (see
+    /// [`device_loop`](Self::device_loop)); sampling always runs on the host.
     pub fn device_sampling(&self) -> Option<DeviceSampling> {
-        let s = &self.sampling;
-        if self.keep_logits || !self.device_loop {
+        if self.keep_logits || !self.device_loop || !self.sampling.is_greedy() {
             None
-        } else if s.is_greedy() {
-            Some(DeviceSampling::Greedy)
-        } else if s.top_k == 0 && s.top_p >= 1.0 {
-            Some(DeviceSampling::Temperature { temperature: s.temperature, seed: s.seed })
         } else {
-            None
+            Some(DeviceSampling::Greedy)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(temperature: f32, top_k: usize, keep_logits: bool, device_loop: bool) -> GenerateOptions {
+        let sampling = SamplingParams { temperature, top_k, ..SamplingParams::default() };
+        GenerateOptions { max_tokens: 8, sampling, stop_ids: vec![], keep_logits, device_loop }
+    }
+
+    #[test]
+    fn only_greedy_runs_on_the_device() {
+        assert_eq!(opts(0.0, 0, false, true).device_sampling(), Some(DeviceSampling::Greedy));
+        assert_eq!(opts(0.7, 1, false, true).device_sampling(), Some(DeviceSampling::Greedy));
+        assert_eq!(opts(0.7, 0, false, true).device_sampling(), None);
+        assert_eq!(opts(0.7, 40, false, true).device_sampling(), None);
+        assert_eq!(opts(0.0, 0, true, true).device_sampling(), None, "--dump-logits needs every step's logits");
+        assert_eq!(opts(0.0, 0, false, false).device_sampling(), None, "--host-loop");
     }
 }
 

@@ -305,8 +305,8 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     }
     // Graphed vs eager device loop on two GPUs: the same tokens, and the same KV cache (the
     // next host step's logits are bit-identical).
-    let mut g = synthetic_or(&w, true);
-    let mut e = synthetic_or(&w, false);
+    let mut g = group_graphed(&w, true);
+    let mut e = group_graphed(&w, false);
     let tg = device_tokens(g.as_mut(), &p, 64, 300, DeviceSampling::Greedy);
     let te = device_tokens(e.as_mut(), &p, 64, 300, DeviceSampling::Greedy);
     assert_eq!(tg, te);
@@ -316,7 +316,7 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     assert_eq!(bits(&a), bits(&b));
 }
 
-fn synthetic_or(w: &ModelWeights, graphed: bool) -> Box<dyn DecodeBackend> {
+fn group_graphed(w: &ModelWeights, graphed: bool) -> Box<dyn DecodeBackend> {
     let mut b = ferrum_runner::cuda_tp::group(w, 0, 2, BF16, false).unwrap();
     b.set_graphed(graphed).unwrap();
     Box::new(b)

@@ -19,7 +19,8 @@ pub(crate) type DevBuf<T> = CudaSlice<T>;
 pub const PREFILL_CHUNK: usize = 512;
 /// Most KV splits of the decode attention.
 pub const MAX_SPLITS: usize = 64;
-/// Most cache rows per split of the decode attention for long caches (see `init_sequence`).
+/// Target cache rows per split of the decode attention for long caches (see `init_sequence`;
+/// above `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
 const ATTN_ROWS_PER_SPLIT: usize = 128;
 
 fn unavailable(e: DriverError) -> Error {
