@@ -69,7 +69,9 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
         float x = logits[k];
         if (inv_temp > 0.0f) {
             const uint64_t h = splitmix64(key ^ (uint64_t)k);
-            const float u = ((float)(h >> 40) + 0.5f) * (1.0f / 16777216.0f);  // (0, 1)
+            // 23 bits: (k + 0.5) / 2^23 is exact in f32 for k < 2^23, so u lies in
+            // [2^-24, 1 - 2^-24] and never rounds to 1 (which would make -log(-log u) +inf).
+            const float u = ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
             x = x * inv_temp - logf(-logf(u));
         }
         if (!isnan(x) && better(x, (uint32_t)k, v, i)) {

@@ -322,10 +322,12 @@ impl DeviceSampling {
         match self {
             DeviceSampling::Greedy => Ok(None),
             DeviceSampling::Temperature { temperature, seed } => {
-                if !(temperature.is_finite() && temperature > 0.0) {
+                let inv = 1.0 / temperature;
+                // A subnormal temperature has no finite inverse: logits * inf are ±inf or NaN.
+                if !(temperature.is_finite() && temperature > 0.0 && inv.is_finite()) {
                     return Err(Error::InvalidArgument(format!("sampling temperature {temperature}")));
                 }
-                Ok(Some((1.0 / temperature, seed)))
+                Ok(Some((inv, seed)))
             }
         }
     }

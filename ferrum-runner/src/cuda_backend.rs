@@ -281,6 +281,10 @@ impl DecodeBackend for CudaBackend {
         }
         let before = self.rank.stats();
         let pos0 = self.pos;
+        let capacity = self.rank.runner().sequence_capacity(SEQ).map_err(cuda_error)?;
+        if pos0 + max_steps > capacity {
+            return Err(Error::ContextOverflow { position: pos0 + max_steps, capacity });
+        }
         self.rank.device_begin(SEQ, token, pos0)?;
         let rank = &mut self.rank;
         let (kept, run) = drive_device_batches(max_steps, on_token, &mut |done, n| {

@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 
 use std::sync::Arc;
 
+use ferrum_graph::cudarc::driver::sys::CUevent_flags;
+use ferrum_graph::cudarc::driver::CudaEvent;
+
 use ferrum_cuda::{CudaDecodeRunner, DeviceSampling, DeviceStepKey};
 use ferrum_graph::DecodeGraphCache;
 use ferrum_nccl::NcclRank;
@@ -29,6 +32,10 @@ use crate::error::{Error, Result};
 
 /// Graphs kept per rank (one per live sequence buffer set and sampling mode).
 const GRAPH_CACHE: usize = 4;
+/// How long a TP rank waits for one replayed step before it declares a peer gone and aborts its
+/// communicator (far above any decode step; a dead peer process is otherwise never noticed over
+/// NVLink).
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a captured step depends on besides the runner's fixed buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,6 +94,8 @@ pub struct CudaRank {
     /// The communicator whose collectives the graphs captured (TP): replays are launched only
     /// while it is live (see [`NcclRank::while_live`]).
     comm: Option<Arc<NcclRank>>,
+    /// Recorded after each replay on TP ranks (see `device_steps`).
+    replay_done: Option<CudaEvent>,
 }
 
 impl std::fmt::Debug for CudaRank {
@@ -117,6 +126,7 @@ impl CudaRank {
             fault: None,
             abort: None,
             comm: None,
+            replay_done: None,
         }
     }
 
@@ -220,18 +230,45 @@ impl CudaRank {
                 self.stats.captures += 1;
                 self.stats.capture_time += t0.elapsed();
             }
-            let mut enqueue = || -> Result<()> {
-                for _ in 0..n {
-                    let t = Instant::now();
-                    graph.replay(&stream).map_err(graph_error)?;
-                    self.stats.enqueue_time += t.elapsed();
+            // A replay does not go through the runner's checks: make sure `seq` still owns the
+            // step buffer.
+            self.runner.check_fed(seq).map_err(cuda)?;
+            match self.comm.clone() {
+                None => {
+                    for _ in 0..n {
+                        let t = Instant::now();
+                        graph.replay(&stream).map_err(graph_error)?;
+                        self.stats.enqueue_time += t.elapsed();
+                    }
                 }
-                Ok(())
-            };
-            match &self.comm {
-                // The graph holds NCCL kernels: never launch it after its communicator died.
-                Some(c) => c.while_live(enqueue).map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))??,
-                None => enqueue()?,
+                Some(c) => {
+                    // The graph holds NCCL kernels: launch it only while its communicator is
+                    // live (under the communicator's lock, so an abort cannot free it mid-launch),
+                    // one replay at a time, each after the previous one finished (waited for
+                    // outside the lock). So cuGraphLaunch never blocks on a full launch queue
+                    // while holding the lock, an abort from another thread can always take it,
+                    // and the wait returns once that abort ends a collective stuck on a dead peer.
+                    let ev = match self.replay_done.take() {
+                        Some(e) => e,
+                        None => stream
+                            .context()
+                            .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                            .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
+                    };
+                    let ev = &*self.replay_done.insert(ev);
+                    for i in 0..n {
+                        if i > 0 {
+                            wait_replay(&c, ev, self.rank)?;
+                        }
+                        let t = Instant::now();
+                        c.while_live(|| graph.replay(&stream))
+                            .map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))?
+                            .map_err(graph_error)?;
+                        self.stats.enqueue_time += t.elapsed();
+                        ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
+                    }
+                    wait_replay(&c, ev, self.rank)?;
+                }
             }
         } else {
             for _ in 0..n {
@@ -247,4 +284,29 @@ impl CudaRank {
     pub fn device_end(&mut self, seq: u64, len: usize) -> Result<()> {
         self.runner.device_decode_end(seq, len).map_err(crate::cuda_backend::cuda_error)
     }
+}
+
+/// Waits for `ev` (the last replay) while watching the communicator: returns NCCL's
+/// asynchronous error if it reports one, and aborts the communicator when the step takes longer
+/// than [`STEP_TIMEOUT`] (a peer process that died is otherwise never noticed).
+fn wait_replay(comm: &NcclRank, ev: &CudaEvent, rank: usize) -> Result<()> {
+    let t0 = Instant::now();
+    let mut spins = 0u32;
+    while !ev.try_is_complete().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))? {
+        comm.check_async_error().map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
+        if t0.elapsed() > STEP_TIMEOUT {
+            comm.abort("a decode step did not finish in time: a peer rank is gone");
+            return Err(Error::Tp(format!(
+                "rank {rank}: a decode step did not finish in {} s; the communicator was aborted",
+                STEP_TIMEOUT.as_secs()
+            )));
+        }
+        spins += 1;
+        if spins < 2_000 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(Duration::from_micros(20));
+        }
+    }
+    Ok(())
 }

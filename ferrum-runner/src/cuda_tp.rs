@@ -283,6 +283,11 @@ impl DecodeBackend for CudaTpBackend {
     ) -> Result<DeviceRun> {
         let seq = self.seq.ok_or_else(|| Error::InvalidInput("decode before prefill".into()))?;
         let pos0 = self.pos;
+        // Relaxed: only this thread writes it (before the kv_init of the current sequence).
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        if pos0 + max_steps > capacity {
+            return Err(Error::ContextOverflow { position: pos0 + max_steps, capacity });
+        }
         let before = self.on_ranks(|w, _| Ok((w.rank.stats(), w.rank.graphed())))?[0];
         self.on_ranks(move |w, _| w.rank.device_begin(seq.0, token, pos0))?;
         let (kept, run) = drive_device_batches(max_steps, on_token, &mut |done, n| {

@@ -413,6 +413,9 @@ fn gemv_variants_are_bit_identical() {
     for arch in ARCHS {
         let mut cfg = config(arch, false, 2);
         cfg.vocab_size = 1001;
+        // Not a multiple of any variant's outputs per warp or block: exercises the row clamps
+        // of the gate|up variants.
+        cfg.intermediate_size = 1000 + 8 * (arch as usize % 2) + 4;
         let w = weights(&cfg, 31);
         let p = prompt(40, cfg.vocab_size, 9);
         let mut want = None;
@@ -428,4 +431,23 @@ fn gemv_variants_are_bit_identical() {
             }
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_sampling_never_picks_an_impossible_token() {
+    // At T = 1e-5 on a ×400 LM head the logit gaps (×1e5) dwarf any finite Gumbel noise (at most
+    // ~17 for a draw in [2^-24, 1 - 2^-24]), so every draw is the argmax, unless the uniform
+    // draw can round to 1 (that token's noise is then +inf). With 131072 tokens and 500 steps, a
+    // draw reaching 1.0 with probability 2^-24 per logit fails this about 98% of the time.
+    init();
+    let mut cfg = config(Arch::Llama, false, 2);
+    cfg.vocab_size = 131_072;
+    let w = peaked(weights(&cfg, 41), 400.0);
+    let p = prompt(8, cfg.vocab_size, 3);
+    let mut b = tp1(&w);
+    let g = device_tokens(&mut b, &p, 500, 520, DeviceSampling::Greedy);
+    let s = device_tokens(&mut b, &p, 500, 520, DeviceSampling::Temperature { temperature: 1e-5, seed: 5 });
+    let same = g.iter().zip(&s).take_while(|(a, b)| a == b).count();
+    assert_eq!(same, 500, "sampling left the argmax at step {same}");
 }

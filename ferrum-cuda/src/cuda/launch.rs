@@ -619,13 +619,19 @@ impl Kernels {
 
     /// Launches `ferrum_argmax_final` with 2048 threads per block, which CUDA refuses at launch
     /// (the limit is 1024): a genuine driver error for failure tests; the kernel never runs.
-    pub(crate) fn invalid_launch(&self) -> Result<()> {
-        let (null, zero) = (0u64, 0i32);
+    pub(crate) fn invalid_launch(
+        &self,
+        part_v: Region<'_, f32>,
+        part_i: Region<'_, u32>,
+        out: Region<'_, u32>,
+    ) -> Result<()> {
+        let (pv, pi, po) = (part_v.need(1, "part_v")?, part_i.need(1, "part_i")?, out.need(1, "out")?);
+        let (one, null, zero) = (1i32, 0u64, 0i32);
         let mut b = self.builder(Kernel::ArgmaxFinal);
-        b.arg(&null).arg(&null).arg(&zero).arg(&null).arg(&null).arg(&null).arg(&zero);
-        // SAFETY: the launch is rejected by the driver before any thread runs (block of 2048 >
-        // 1024 threads), so the null pointers are never dereferenced; were it to run, n_parts
-        // = 0 and null step mean it would write out[0] only — it cannot run.
+        b.arg(&pv).arg(&pi).arg(&one).arg(&po).arg(&null).arg(&null).arg(&zero);
+        // SAFETY: the driver rejects the launch (a block of 2048 > 1024 threads) before any
+        // thread runs. Even if it ran, the arguments are valid: it would read part[0] and write
+        // out[0] (extents checked above), with a null step buffer (no device-fed update).
         unsafe { b.launch(cfg((1, 1, 1), 2048)) }.map_err(Error::driver("injected launch (expected to fail)"))?;
         Err(Error::Internal("a launch of 2048 threads per block was accepted".into()))
     }

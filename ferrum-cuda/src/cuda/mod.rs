@@ -158,6 +158,9 @@ pub struct DeviceStepKey {
     n_splits: usize,
     dtype: DType,
     projection: Projection,
+    /// Bumped whenever something a captured step bakes in changes outside the sequence
+    /// (the reducer, the projection mode, the GEMV variants).
+    generation: u64,
 }
 
 /// Logits of the last position, on the device (fp32, `vocab` of them).
@@ -289,6 +292,8 @@ pub struct CudaDecodeRunner {
     readback_len: usize,
     /// Recorded after each read-back copy; waited for before the tokens are read.
     readback_done: Option<CudaEvent>,
+    /// See [`DeviceStepKey`]'s `generation`.
+    generation: u64,
     reducer: Box<dyn Reducer>,
     projection: Projection,
     sms: usize,
@@ -644,6 +649,7 @@ impl CudaDecodeRunner {
             readback: None,
             readback_len: 0,
             readback_done: None,
+            generation: 0,
             reducer: Box::new(NoReduce),
             projection: Projection::default(),
             sms,
@@ -669,10 +675,12 @@ impl CudaDecodeRunner {
     /// Installs the reducer called after the o- and down-projections (default: [`NoReduce`]).
     pub fn set_reducer(&mut self, reducer: Box<dyn Reducer>) {
         self.reducer = reducer;
+        self.generation += 1;
     }
     /// Chooses how batch-1 projections run (default: [`Projection::Gemv`]).
     pub fn set_projection(&mut self, projection: Projection) {
         self.projection = projection;
+        self.generation += 1;
     }
     /// Current projection choice.
     pub fn projection(&self) -> Projection {
@@ -771,6 +779,10 @@ impl CudaDecodeRunner {
             self.check_token(t)?;
         }
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if self.fed == Some(seq) {
+            // The step buffer's position is stale once the prefill moves the length on.
+            self.fed = None;
+        }
         if s.len + tokens.len() > s.capacity {
             return Err(Error::CapacityExhausted { seq, len: s.len, capacity: s.capacity, asked: tokens.len() });
         }
@@ -944,11 +956,7 @@ impl CudaDecodeRunner {
     /// [`device_decode_end`](Self::device_decode_end); the kernels never touch KV entries at or
     /// past the capacity, however many steps run.
     pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
-        if self.fed != Some(seq) {
-            return Err(Error::InvalidArgument(format!(
-                "device-fed step of sequence {seq} without device_decode_begin for it"
-            )));
-        }
+        self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         forward(
@@ -977,6 +985,19 @@ impl CudaDecodeRunner {
         )
     }
 
+    /// Checks that `seq` owns the decode step buffer (its last
+    /// [`device_decode_begin`](Self::device_decode_begin) was not followed by a host-fed step,
+    /// a prefill or a `device_decode_begin` of another sequence). Call it before replaying a
+    /// captured device-fed step: a replay does not go through these checks.
+    pub fn check_fed(&self, seq: u64) -> Result<()> {
+        if self.fed != Some(seq) {
+            return Err(Error::InvalidArgument(format!(
+                "device-fed step of sequence {seq} without a current device_decode_begin for it"
+            )));
+        }
+        Ok(())
+    }
+
     /// What a captured device-fed step of `seq` references that can change between sequences:
     /// use it (with the sampling mode) as the graph-cache key, so a graph is re-captured exactly
     /// when a new KV cache lands at another address or has another capacity.
@@ -992,6 +1013,7 @@ impl CudaDecodeRunner {
             n_splits: s.n_splits,
             dtype: self.k.dtype,
             projection: self.projection,
+            generation: self.generation,
         })
     }
 
@@ -1003,6 +1025,13 @@ impl CudaDecodeRunner {
         first.checked_add(n).filter(|&e| e <= s.capacity + 1 && n > 0).ok_or_else(|| {
             Error::InvalidArgument(format!("token read-back {first}+{n} of a {}-token history", s.capacity + 1))
         })?;
+        self.readback_len = 0;
+        self.ctx.bind_to_thread().map_err(Error::driver("binding the context"))?;
+        if let Some(done) = &self.readback_done {
+            // A copy into the current buffer may still be in flight: let it land before the
+            // buffer is reused or freed (cudarc's own event on it is never recorded).
+            done.synchronize().map_err(Error::driver("token read-back"))?;
+        }
         if self.readback.as_ref().is_none_or(|b| b.len() < n) {
             // SAFETY: the pinned buffer is only read after the copy below fills the part that
             // is read (token_readback reads the `n` last copied); u32 has no invalid bit patterns.
@@ -1065,6 +1094,7 @@ impl CudaDecodeRunner {
     #[doc(hidden)]
     pub fn force_gemv_variant(&mut self, i: usize) {
         let v = GEMV_VARIANTS[i % GEMV_VARIANTS.len()];
+        self.generation += 1;
         for e in self.k.gemv_table.values_mut() {
             *e = v;
         }
@@ -1074,13 +1104,18 @@ impl CudaDecodeRunner {
     /// 2048 threads) and returns the driver's genuine error. Nothing is written.
     #[doc(hidden)]
     pub fn inject_launch_failure(&self) -> Result<()> {
-        self.k.invalid_launch()
+        let st = &self.k.stream;
+        self.k.invalid_launch(whole(&self.argmax_v, st)?, whole(&self.argmax_i, st)?, whole(&self.argmax_out, st)?)
     }
 
     /// Ends (or checkpoints) device-fed decoding of `seq`: the sequence keeps `len` tokens
     /// (from the position given to `device_decode_begin` to at most its capacity). Steps run
     /// past `len` are discarded (their KV entries are overwritten later).
     pub fn device_decode_end(&mut self, seq: u64, len: usize) -> Result<()> {
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
+        if self.fed != Some(seq) {
+            return Err(Error::InvalidArgument(format!("sequence {seq} is not being device-fed (len {})", s.len)));
+        }
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         if len < s.len || len > s.capacity {
             return Err(Error::InvalidArgument(format!(
