@@ -11,8 +11,9 @@ use serde::Serialize;
 use ferrum_graph::cudarc::driver::sys::CUevent_flags;
 use ferrum_graph::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use ferrum_graph::CapturedGraph;
-use ferrum_nccl::{NcclElement, NcclRank};
-use std::sync::{Arc, Barrier};
+use ferrum_nccl::{AbortHandle, NcclElement, NcclRank};
+use ferrum_tp::{AbortableBarrier, GroupBarrier};
+use std::sync::Arc;
 
 const PER_GRAPH: usize = 100;
 const REPLAYS: usize = 20;
@@ -32,7 +33,7 @@ pub struct AllReduceReport {
 fn time_rank<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     rank: &NcclRank,
     n: usize,
-    barrier: &Barrier,
+    barrier: &GroupBarrier,
 ) -> Result<(f64, f64)> {
     let ctx = rank.context().clone();
     // SAFETY: every buffer below is used on one stream only, so cudarc's cross-stream event
@@ -43,10 +44,10 @@ fn time_rank<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).context("creating an event");
     let (e0, e1) = (ev()?, ev()?);
     let timed = |run: &mut dyn FnMut() -> Result<()>, count: usize| -> Result<f64> {
-        barrier.wait();
+        barrier.wait().map_err(|_| anyhow::anyhow!("another rank failed"))?;
         run()?; // warm-up
         stream.synchronize()?;
-        barrier.wait();
+        barrier.wait().map_err(|_| anyhow::anyhow!("another rank failed"))?;
         e0.record(&stream)?;
         for _ in 0..REPLAYS {
             run()?;
@@ -91,9 +92,30 @@ fn run_dtype<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     name: &str,
 ) -> Result<AllReduceReport> {
     let ranks = NcclRank::init_all(ordinals)?;
-    let barrier = Barrier::new(ranks.len());
+    let aborts: Vec<AbortHandle> = ranks.iter().map(NcclRank::abort_handle).collect();
+    let barrier = GroupBarrier::with_parties(ranks.len());
+    // A failing rank releases the others: the barrier is aborted (peers waiting in it return)
+    // and so is every communicator (peers blocked in a collective on the GPU return).
+    let fail = |e: anyhow::Error| {
+        barrier.abort();
+        for a in &aborts {
+            a.abort("a rank of the all-reduce benchmark failed");
+        }
+        e
+    };
     let results: Vec<Result<(f64, f64)>> = std::thread::scope(|s| {
-        let handles: Vec<_> = ranks.iter().map(|r| s.spawn(|| time_rank::<T>(r, n, &barrier))).collect();
+        let handles: Vec<_> = ranks
+            .iter()
+            .map(|r| {
+                s.spawn(|| {
+                    // A panic must release the peers too, before this thread ends.
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| time_rank::<T>(r, n, &barrier))) {
+                        Ok(r) => r.map_err(fail),
+                        Err(_) => Err(fail(anyhow::anyhow!("a rank panicked"))),
+                    }
+                })
+            })
+            .collect();
         handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a rank panicked")))).collect()
     });
     let results = results.into_iter().collect::<Result<Vec<_>>>()?;
