@@ -374,3 +374,18 @@ impl CudaModelSpec {
         })
     }
 }
+
+#[cfg(test)]
+mod sampling_tests {
+    use super::*;
+
+    #[test]
+    fn device_sampling_arguments_are_checked() {
+        assert_eq!(DeviceSampling::Greedy.kernel_args().unwrap(), None);
+        let t = |temperature| DeviceSampling::Temperature { temperature, seed: 7 };
+        assert_eq!(t(0.5).kernel_args().unwrap(), Some((2.0, 7)));
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY, 1e-39] {
+            assert!(t(bad).kernel_args().is_err(), "temperature {bad} accepted");
+        }
+    }
+}
