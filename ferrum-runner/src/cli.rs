@@ -52,6 +52,8 @@ impl ModelArgs {
                 if rank >= world_size {
                     anyhow::bail!("--rank {rank} must be below --world-size {world_size}");
                 }
+                // Checked here, before any model is loaded; the GPU path parses it again to use it.
+                ferrum_nccl::Rendezvous::parse(rv).map_err(|e| anyhow::anyhow!("--rendezvous: {e}"))?;
                 Some(DistOptions { rank, world_size, rendezvous: rv.clone() })
             }
             _ => None,

@@ -42,6 +42,24 @@ fn bad_flags_are_clear_errors() {
         (&["generate", "--dtype", "f8", "hi"], "--dtype"),
         (&["generate", "   "], "prompt is empty"),
         (&["bench", "--runs", "0"], "--runs"),
+        // Multi-process tensor parallelism: the three flags go together and must agree.
+        (&["generate", "--rank", "0", "hi"], "--world-size"),
+        (
+            &["generate", "--tp", "2", "--rank", "2", "--world-size", "2", "--rendezvous", "file:/tmp/r", "hi"],
+            "--rank 2",
+        ),
+        (&["generate", "--tp", "2", "--rank", "0", "--world-size", "3", "--rendezvous", "file:/tmp/r", "hi"], "--tp 2"),
+        (&["generate", "--tp", "2", "--rank", "0", "--world-size", "2", "--rendezvous", "bogus", "hi"], "--rendezvous"),
+        (
+            &["generate", "--tp", "2", "--rank", "0", "--world-size", "2", "--rendezvous", "tcp:nohost", "hi"],
+            "host:port",
+        ),
+        (
+            &["generate", "--tp", "2", "--rank", "0", "--world-size", "2", "--rendezvous", "file:/tmp/r", "hi"],
+            "--device cuda",
+        ),
+        (&["bench", "--all-reduce", "--tp", "2"], "--all-reduce"),
+        (&["bench", "--all-reduce", "--synthetic", "llama3-8b"], "--synthetic"),
     ];
     for (args, needle) in cases {
         let err = fails(args);
