@@ -26,6 +26,7 @@ use crate::cuda_backend::{build_runner, cuda_error, device_run, spec_of, CudaBac
 use crate::cuda_rank::{CudaRank, Fault};
 use crate::error::{Error, Result};
 use crate::session::DistOptions;
+use crate::tp::flatten;
 use crate::weights::ModelWeights;
 
 fn nccl_error(e: ferrum_nccl::Error) -> Error {
@@ -120,18 +121,6 @@ impl RankWorker for CudaTpWorker {
     fn kv_release(&mut self, _: &RankContext, sequence: SequenceId) -> Result<()> {
         self.rank.runner().release(sequence.0).map_err(cuda_error)
     }
-}
-
-/// Flattens a group error and its causes into one message.
-fn flatten(e: &TpError<Error>) -> String {
-    let mut msg = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(s) = src {
-        msg.push_str(": ");
-        msg.push_str(&s.to_string());
-        src = s.source();
-    }
-    msg
 }
 
 /// Aborts every communicator (so no rank stays blocked in a collective) and returns the error.

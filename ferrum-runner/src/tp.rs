@@ -110,14 +110,19 @@ impl std::fmt::Debug for CpuTpBackend {
 
 /// Flattens a group error and its causes (the rank's own error) into one message.
 fn tp_err(e: TpError<Error>) -> Error {
+    Error::Tp(flatten(&e))
+}
+
+/// A group error and its causes (the rank's own error) as one message.
+pub(crate) fn flatten(e: &TpError<Error>) -> String {
     let mut msg = e.to_string();
-    let mut src = std::error::Error::source(&e);
+    let mut src = std::error::Error::source(e);
     while let Some(s) = src {
         msg.push_str(": ");
         msg.push_str(&s.to_string());
         src = s.source();
     }
-    Error::Tp(msg)
+    msg
 }
 
 impl CpuTpBackend {

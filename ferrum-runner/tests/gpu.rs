@@ -4,6 +4,10 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::needless_range_loop)]
 
+mod common;
+use common::{prompt, rel_err};
+use ferrum_runner::sampling::argmax;
+
 use candle_core::{DType, Tensor};
 use ferrum_runner::backend::DecodeBackend;
 use ferrum_runner::config::{Arch, ModelConfig};
@@ -68,36 +72,6 @@ fn rounded_f32(w: &ModelWeights, d: DType) -> ModelWeights {
         o.k_norm = ro(&l.k_norm);
     }
     out
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    if a.iter().any(|v| !v.is_finite()) {
-        return f64::INFINITY;
-    }
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[b] {
-            b = i;
-        }
-    }
-    b as u32
-}
-
-fn prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
 }
 
 /// Prefill `n_prompt` tokens and `steps` greedy steps on GPU and CPU; the worst relative error.

@@ -4,6 +4,10 @@
 //! `barrier-std`); run by `bundle/run-gpu-suite.sh`.
 #![cfg(feature = "cuda")]
 
+mod common;
+use common::{prompt, rel_err};
+use ferrum_runner::sampling::argmax;
+
 use std::time::{Duration, Instant};
 
 use candle_core::DType;
@@ -51,30 +55,6 @@ fn peaked(mut w: ModelWeights, k: f64) -> ModelWeights {
 
 fn tp1(w: &ModelWeights) -> CudaBackend {
     CudaBackend::new(build_runner(w, BF16, 0, &mut |_, _| {}).unwrap())
-}
-
-fn prompt(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 33) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-fn argmax(v: &[f32]) -> u32 {
-    ferrum_runner::sampling::argmax(v)
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    if a.iter().any(|v| !v.is_finite()) {
-        return f64::INFINITY;
-    }
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -450,4 +430,38 @@ fn device_sampling_never_picks_an_impossible_token() {
     let s = device_tokens(&mut b, &p, 500, 520, DeviceSampling::Temperature { temperature: 1e-5, seed: 5 });
     let same = g.iter().zip(&s).take_while(|(a, b)| a == b).count();
     assert_eq!(same, 500, "sampling left the argmax at step {same}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_fed_calls_refuse_bad_input() {
+    use ferrum_cuda::Error as E;
+    init();
+    let cfg = config(Arch::Llama, false, 2);
+    let w = weights(&cfg, 51);
+    let mut b = tp1(&w);
+    let p = prompt(10, cfg.vocab_size, 1);
+    b.prefill(&p, 32).unwrap();
+    let r = b.runner();
+    // Nothing device-fed before a begin.
+    assert!(r.enqueue_device_step(0, DeviceSampling::Greedy).is_err());
+    assert!(r.device_decode_end(0, 11).is_err());
+    assert!(matches!(r.device_decode_begin(9, 1, 10), Err(E::UnknownSequence(9))));
+    assert!(matches!(r.device_decode_begin(0, cfg.vocab_size as u32, 10), Err(E::TokenOutOfRange { .. })));
+    assert!(matches!(r.device_decode_begin(0, 1, 11), Err(E::PositionGap { .. })));
+    r.device_decode_begin(0, 1, 10).unwrap();
+    let cold = DeviceSampling::Temperature { temperature: 0.0, seed: 1 };
+    assert!(matches!(r.enqueue_device_step(0, cold), Err(E::InvalidArgument(_))));
+    // The history holds capacity + 1 = 33 tokens.
+    assert!(r.enqueue_token_readback(0, 30, 4).is_err());
+    assert!(r.enqueue_token_readback(0, 0, 0).is_err());
+    assert!(r.device_decode_end(0, 9).is_err(), "below the begin position");
+    assert!(r.device_decode_end(0, 33).is_err(), "past the capacity");
+    // A host-fed step takes the step buffer back: replays must be refused until a new begin.
+    r.decode_step(0, 1, 10).unwrap();
+    assert!(r.check_fed(0).is_err());
+    // More steps than the cache holds: a clear error before anything runs.
+    let l = b.prefill(&p, 32).unwrap();
+    let err = b.decode_on_device(argmax(&l), 23, DeviceSampling::Greedy, &mut |_| Ok(true)).unwrap_err();
+    assert!(matches!(err, ferrum_runner::error::Error::ContextOverflow { .. }), "{err}");
 }

@@ -751,6 +751,26 @@ impl CudaDecodeRunner {
         Ok(())
     }
 
+    /// The decode forward pass of one token of `seq`, reading the token and position from the
+    /// decode step buffer (written by the caller, or by the previous device-fed step). The
+    /// caller updates the sequence's length.
+    fn forward_one(&mut self, seq: u64) -> Result<()> {
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        forward(
+            &self.k,
+            &self.spec,
+            &self.w,
+            &self.inv_freq,
+            &mut self.decode,
+            s,
+            1,
+            true,
+            self.projection,
+            self.reducer.as_mut(),
+            &mut self.logits.buf,
+        )
+    }
+
     /// Checks that `token` may be decoded at `position` of `seq` (a known sequence, a position
     /// at most its length and below its capacity).
     fn check_step(&self, seq: u64, token: u32, position: usize) -> Result<()> {
@@ -829,21 +849,8 @@ impl CudaDecodeRunner {
         let step = [token, position as u32];
         self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
         self.fed = None;
-        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        forward(
-            &self.k,
-            &self.spec,
-            &self.w,
-            &self.inv_freq,
-            &mut self.decode,
-            s,
-            1,
-            true,
-            self.projection,
-            self.reducer.as_mut(),
-            &mut self.logits.buf,
-        )?;
-        s.len = position + 1;
+        self.forward_one(seq)?;
+        self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?.len = position + 1;
         Ok(&self.logits)
     }
 
@@ -958,20 +965,8 @@ impl CudaDecodeRunner {
     pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
         self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
-        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
-        forward(
-            &self.k,
-            &self.spec,
-            &self.w,
-            &self.inv_freq,
-            &mut self.decode,
-            s,
-            1,
-            true,
-            self.projection,
-            self.reducer.as_mut(),
-            &mut self.logits.buf,
-        )?;
+        self.forward_one(seq)?;
+        let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
         let st = &self.k.stream;
         let feed = Feed { step: whole(&self.decode.step, st)?, history: whole(&s.history, st)?, capacity: s.capacity };
         self.k.argmax(
