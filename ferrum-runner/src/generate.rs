@@ -17,20 +17,24 @@ pub struct GenerateOptions {
     /// Keep every step's logits (`steps × vocab`) for `--dump-logits` (forces host steps).
     pub keep_logits: bool,
     /// Let backends that can (CUDA) choose tokens on the device, with no host round trip per
-    /// token. Greedy decoding only for now: ferrum-cuda's on-device Gumbel-max sampling has a
-    /// known defect (its uniform draw can round to 1.0, which makes one token win outright
-    /// about V/2^24 of the time), so sampled generations choose on the host until it is fixed.
+    /// token: greedy, or temperature-only sampling (a seeded Gumbel-max draw on the GPU);
+    /// top-k / top-p always sample on the host.
     pub device_loop: bool,
 }
 
 impl GenerateOptions {
-    /// How the device can choose tokens for these settings, if it can: greedy only (see
-    /// [`device_loop`](Self::device_loop)); sampling always runs on the host.
+    /// How the device can choose tokens for these settings, if it can (see
+    /// [`device_loop`](Self::device_loop)).
     pub fn device_sampling(&self) -> Option<DeviceSampling> {
-        if self.keep_logits || !self.device_loop || !self.sampling.is_greedy() {
+        let s = &self.sampling;
+        if self.keep_logits || !self.device_loop {
             None
-        } else {
+        } else if s.is_greedy() {
             Some(DeviceSampling::Greedy)
+        } else if s.top_k == 0 && s.top_p >= 1.0 {
+            Some(DeviceSampling::Temperature { temperature: s.temperature, seed: s.seed })
+        } else {
+            None
         }
     }
 }
@@ -45,11 +49,18 @@ mod tests {
     }
 
     #[test]
-    fn only_greedy_runs_on_the_device() {
+    fn greedy_and_temperature_only_run_on_the_device() {
         assert_eq!(opts(0.0, 0, false, true).device_sampling(), Some(DeviceSampling::Greedy));
         assert_eq!(opts(0.7, 1, false, true).device_sampling(), Some(DeviceSampling::Greedy));
-        assert_eq!(opts(0.7, 0, false, true).device_sampling(), None);
-        assert_eq!(opts(0.7, 40, false, true).device_sampling(), None);
+        let seed = SamplingParams::default().seed;
+        assert_eq!(
+            opts(0.7, 0, false, true).device_sampling(),
+            Some(DeviceSampling::Temperature { temperature: 0.7, seed })
+        );
+        assert_eq!(opts(0.7, 40, false, true).device_sampling(), None, "top-k samples on the host");
+        let mut top_p = opts(0.7, 0, false, true);
+        top_p.sampling.top_p = 0.9;
+        assert_eq!(top_p.device_sampling(), None, "top-p samples on the host");
         assert_eq!(opts(0.0, 0, true, true).device_sampling(), None, "--dump-logits needs every step's logits");
         assert_eq!(opts(0.0, 0, false, false).device_sampling(), None, "--host-loop");
     }
