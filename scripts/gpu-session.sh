@@ -31,7 +31,7 @@ for spec in "llama untied bfloat16" "mistral tied float16" "qwen2 untied bfloat1
 done
 
 # The GPU suite: every test executable in the bundle, ignored (GPU) tests only.
-FERRUM_HF_REF_ROOT=$HF timeout ${SUITE_TIMEOUT:-330} "$B/run-gpu-suite.sh" --nocapture >"$OUT/gpu-suite.log" 2>&1
+FERRUM_HF_REF_ROOT=$HF timeout ${SUITE_TIMEOUT:-330} "$B/run-gpu-suite.sh" --nocapture ${SUITE_EXTRA:-} >"$OUT/gpu-suite.log" 2>&1
 say "== GPU suite exit: $?"
 grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 vs|TP2 greedy|synthetic TP2|on rank" "$OUT/gpu-suite.log" \
     | cut -c1-220 | tee -a "$S"
@@ -78,6 +78,14 @@ PY
             FERRUM_PDL=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
                 --runs 3 --json >"$OUT/bench-$m-nopdl.json" 2>>"$OUT/bench.log"
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no PDL: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nopdl.json" | tee -a "$S"
+        done
+    fi
+    if [ -z "${SKIP_NOFUSE:-}" ]; then
+        say "== the same TP1 runs with FERRUM_FUSE=0 (split-KV merge in its own kernel)"
+        for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+            FERRUM_FUSE=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+                --runs 3 --json >"$OUT/bench-$m-nofuse.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no fusion: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nofuse.json" | tee -a "$S"
         done
     fi
     if [ -z "${SKIP_LONG:-}" ]; then

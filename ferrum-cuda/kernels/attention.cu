@@ -66,6 +66,52 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
     }
 }
 
+// Merges the n_splits partials of (token `tok`, head `h`) into out[tok][h*hd + d] for
+// d = threadIdx.x, threadIdx.x + blockDim.x, ... < hd, in split order (so the result does not
+// depend on which block runs it). `ld` loads a partial (plain, or L2-coherent `__ldcg` when
+// other blocks wrote it in the same launch).
+__device__ __forceinline__ void merge_into(float *out, const float *part_acc, const float *part_ml,
+                                           int tok, int h, int heads, int hd, int n_splits) {
+    const size_t base = ((size_t)tok * heads + h) * n_splits;
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float M = FERRUM_NEG_INF;
+        for (int s = 0; s < n_splits; ++s) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
+        float L = 0.0f, A = 0.0f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float ms = __ldcg(part_ml + (base + s) * 2);
+            if (ms == FERRUM_NEG_INF) continue;
+            const float w = expf(ms - M);
+            L += __ldcg(part_ml + (base + s) * 2 + 1) * w;
+            A += __ldcg(part_acc + (base + s) * hd + d) * w;
+        }
+        out[(size_t)tok * heads * hd + h * hd + d] = L > 0.0f ? A / L : 0.0f;
+    }
+}
+
+// The last of the n_splits blocks of one (token, head) to finish merges their partials, so no
+// separate combine launch is needed (the "last block" pattern of CUDA's threadFenceReduction
+// sample). Why the last block sees every partial: each thread fences its partial writes
+// (__threadfence: visible device-wide before anything it does later), the block synchronises,
+// then thread 0 takes a ticket with atomicAdd; a block that draws ticket n_splits - 1 knows
+// every other block took its ticket after fencing its writes, and it reads them through L2
+// (__ldcg, never a stale L1 line). That block also resets the counter to 0 for the next launch
+// (every ticket of this launch is taken by then). Called by every thread of the block.
+__device__ void merge_splits(float *out, const float *part_acc, const float *part_ml,
+                             uint32_t *counter, int heads, int hd, int n_splits) {
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t ticket = atomicAdd(counter, 1u);
+        s_last = ticket == (uint32_t)n_splits - 1;
+        if (s_last) *counter = 0u;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    merge_into(out, part_acc, part_ml, blockIdx.z, blockIdx.x, heads, hd, n_splits);
+}
+
 #define ATTN_MAX_WARPS 8
 #define ATTN_MAX_HD 256
 
@@ -74,11 +120,14 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
 // rows [0, pos]. Split s covers an equal share of those rows (the share is
 // computed from the length read on the device). With one split the normalised
 // output is written to `out` [n_tok][heads*hd]; otherwise the unnormalised
-// partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum).
+// partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum),
+// and then either a separate attn_combine launch merges them (`counters` null)
+// or the last split block of each (token, head) does (see merge_splits).
 template <typename T, int HD>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
-                          float *out, float *part_acc, float *part_ml, const uint32_t *pos_base,
-                          int heads, int kv_heads, int capacity, float scale) {
+                          float *out, float *part_acc, float *part_ml, uint32_t *counters,
+                          const uint32_t *pos_base, int heads, int kv_heads, int capacity,
+                          float scale) {
     constexpr int E = (HD + 31) / 32;  // elements per lane; lanes past HD/E idle when HD < 32
     __shared__ float s_m[ATTN_MAX_WARPS], s_l[ATTN_MAX_WARPS];
     __shared__ float s_acc[ATTN_MAX_WARPS][HD];
@@ -149,35 +198,38 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         ml[0] = M;
         ml[1] = L;
     }
+    if (n_splits > 1 && counters != nullptr)
+        merge_splits(out, part_acc, part_ml, counters + (size_t)tok * heads + h, heads, HD, n_splits);
 }
 
 template <typename T>
 __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
-                     float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
-                     int kv_heads, int hd, int capacity, float scale) {
+                     float *part_acc, float *part_ml, uint32_t *counters,
+                     const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
+                     float scale) {
     switch (hd) {
     case 16:
-        attn_impl<T, 16>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 16>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                          kv_heads, capacity, scale);
         break;
     case 32:
-        attn_impl<T, 32>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 32>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                          kv_heads, capacity, scale);
         break;
     case 64:
-        attn_impl<T, 64>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 64>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 96:
-        attn_impl<T, 96>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 96>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 128:
-        attn_impl<T, 128>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 128>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     case 256:
-        attn_impl<T, 256>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,
+        attn_impl<T, 256>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale);
         break;
     default:
@@ -185,24 +237,10 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
     }
 }
 
-// grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits.
-template <typename T>
+// grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits (the unfused path).
 __device__ void attn_combine(float *out, const float *part_acc, const float *part_ml, int heads,
                              int hd, int n_splits) {
-    const int h = blockIdx.x, tok = blockIdx.y, d = threadIdx.x;
-    if (d >= hd) return;
-    const size_t base = ((size_t)tok * heads + h) * n_splits;
-    float M = FERRUM_NEG_INF;
-    for (int s = 0; s < n_splits; ++s) M = fmaxf(M, part_ml[(base + s) * 2]);
-    float L = 0.0f, A = 0.0f;
-    for (int s = 0; s < n_splits; ++s) {
-        const float ms = part_ml[(base + s) * 2];
-        if (ms == FERRUM_NEG_INF) continue;
-        const float w = expf(ms - M);
-        L += part_ml[(base + s) * 2 + 1] * w;
-        A += part_acc[(base + s) * hd + d] * w;
-    }
-    out[(size_t)tok * heads * hd + h * hd + d] = L > 0.0f ? A / L : 0.0f;
+    merge_into(out, part_acc, part_ml, blockIdx.y, blockIdx.x, heads, hd, n_splits);
 }
 
 #define FERRUM_ATTN(S, T)                                                                          \
@@ -216,17 +254,17 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256) ferrum_attn_##S(                             \
         const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
-        float *part_acc, float *part_ml, const uint32_t *pos_base, int heads, int kv_heads,        \
-        int hd, int capacity, float scale) {                                                       \
+        float *part_acc, float *part_ml, uint32_t *counters, const uint32_t *pos_base,             \
+        int heads, int kv_heads, int hd, int capacity, float scale) {                              \
         FERRUM_PDL_ENTRY();                                                                        \
-        attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads, kv_heads,  \
-                hd, capacity, scale);                                                              \
+        attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base,         \
+                heads, kv_heads, hd, capacity, scale);                                             \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \
                                                        int n_splits) {                             \
         FERRUM_PDL_ENTRY();                                                                        \
-        attn_combine<T>(out, part_acc, part_ml, heads, hd, n_splits);                              \
+        attn_combine(out, part_acc, part_ml, heads, hd, n_splits);                                 \
     }
 
 FERRUM_ATTN(f16, f16)

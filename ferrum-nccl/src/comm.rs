@@ -11,7 +11,8 @@ use cudarc::driver::sys as cu;
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr};
 use cudarc::nccl::sys;
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 
 // ---------------------------------------------------------------------------------------------
 // Library presence, error text
@@ -223,6 +224,9 @@ enum State {
 struct Shared {
     comm: sys::ncclComm_t,
     state: Mutex<State>,
+    /// Set once an abort has *returned* (`ncclCommAbort` done): lets waiters notice an abort
+    /// without taking `state`'s lock, which the abort holds while it runs.
+    aborted: AtomicBool,
     rank: usize,
     world_size: usize,
 }
@@ -250,13 +254,18 @@ impl Shared {
         if matches!(state, State::Aborted(_)) {
             return;
         }
+        tracing::debug!(rank = self.rank, %reason, "aborting the NCCL communicator");
         *state = State::Aborted(reason);
+        let t0 = std::time::Instant::now();
         // SAFETY: `comm` is live (state was Live, and only this function, under the lock, ever
         // frees it); after this call the state is Aborted, so it is never used again.
         let code = unsafe { sys::ncclCommAbort(self.comm) };
         if !is_ok(code) {
             tracing::warn!(rank = self.rank, code = ?code, "ncclCommAbort failed (ignored)");
         }
+        // Release: a waiter that reads `true` (Acquire, in `is_aborted`) sees the abort done.
+        self.aborted.store(true, Ordering::Release);
+        tracing::debug!(rank = self.rank, took_ms = t0.elapsed().as_secs_f64() * 1e3, "NCCL communicator aborted");
     }
 
     /// Runs one NCCL call on the live communicator; on failure, aborts it (unless `in_group`,
@@ -316,9 +325,11 @@ impl AbortHandle {
         self.shared.abort_locked(&mut state, reason.to_string());
     }
 
-    /// True once aborted (explicitly, after a failure, or because the rank was dropped).
+    /// True once an abort (explicit, after a failure, or because the rank was dropped) has
+    /// returned. Never blocks (an abort in progress reads `false` until it is done).
     pub fn is_aborted(&self) -> bool {
-        matches!(*self.shared.lock(), State::Aborted(_))
+        // Acquire: pairs with the Release store after `ncclCommAbort` returned.
+        self.shared.aborted.load(Ordering::Acquire)
     }
 }
 
@@ -378,7 +389,7 @@ impl NcclRank {
             .zip(ctxs)
             .enumerate()
             .map(|(rank, (comm, ctx))| NcclRank {
-                shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), rank, world_size }),
+                shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), aborted: AtomicBool::new(false), rank, world_size }),
                 ctx,
             })
             .collect())
@@ -406,7 +417,7 @@ impl NcclRank {
             return Err(unsafe { nccl_error("ncclCommInitRank", code, std::ptr::null_mut()) });
         }
         Ok(NcclRank {
-            shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), rank, world_size }),
+            shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), aborted: AtomicBool::new(false), rank, world_size }),
             ctx: ctx.clone(),
         })
     }
@@ -477,9 +488,11 @@ impl NcclRank {
         self.abort_handle().abort(reason)
     }
 
-    /// True once aborted.
+    /// True once an abort has returned. Never blocks (an abort in progress reads `false` until
+    /// it is done), so a thread waiting for GPU work can poll it.
     pub fn is_aborted(&self) -> bool {
-        matches!(*self.shared.lock(), State::Aborted(_))
+        // Acquire: pairs with the Release store after `ncclCommAbort` returned.
+        self.shared.aborted.load(Ordering::Acquire)
     }
 
     /// Runs `f` while the communicator is live and cannot be aborted, or returns
@@ -504,6 +517,31 @@ impl NcclRank {
     /// returned. Cheap; call it from a watchdog while waiting for GPU work.
     pub fn check_async_error(&self) -> Result<()> {
         let mut state = self.shared.lock();
+        let mut async_code = sys::ncclResult_t::ncclSuccess;
+        self.shared.call_locked(&mut state, "ncclCommGetAsyncError", false, |comm| {
+            // SAFETY: `comm` is live (call_locked checked it under the lock) and `async_code`
+            // is a valid out-pointer.
+            unsafe { sys::ncclCommGetAsyncError(comm, &mut async_code) }
+        })?;
+        if is_ok(async_code) {
+            return Ok(());
+        }
+        // SAFETY: still live: only call_locked/abort_locked free it, under this held lock.
+        let err = unsafe { nccl_error("asynchronous NCCL operation", async_code, self.shared.comm) };
+        self.shared.abort_locked(&mut state, format!("asynchronous error: {err}"));
+        Err(err)
+    }
+
+    /// [`check_async_error`](Self::check_async_error) without waiting: when another thread is
+    /// using the communicator (an enqueue, or an abort in progress) it returns `Ok` at once
+    /// instead of blocking, so a thread waiting for GPU work never holds up an abort. Returns
+    /// [`Error::Aborted`] once aborted.
+    pub fn poll_async_error(&self) -> Result<()> {
+        let mut state = match self.shared.state.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return Ok(()),
+        };
         let mut async_code = sys::ncclResult_t::ncclSuccess;
         self.shared.call_locked(&mut state, "ncclCommGetAsyncError", false, |comm| {
             // SAFETY: `comm` is live (call_locked checked it under the lock) and `async_code`

@@ -36,6 +36,15 @@ const GRAPH_CACHE: usize = 4;
 /// communicator (far above any decode step; a dead peer process is otherwise never noticed over
 /// NVLink).
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+/// A slow step starts polling NCCL for an asynchronous error after this long …
+const NCCL_POLL_AFTER: Duration = Duration::from_millis(100);
+/// … and polls again this often.
+const NCCL_POLL_EVERY: Duration = Duration::from_millis(20);
+/// Busy polls of a replay's completion before the wait starts sleeping (a decode step takes
+/// 1–5 ms; spinning keeps the next launch close behind the GPU).
+const WAIT_SPINS: u32 = 2_000;
+/// Sleep between polls once past [`WAIT_SPINS`].
+const WAIT_SLEEP: Duration = Duration::from_micros(20);
 
 /// What a captured step depends on besides the runner's fixed buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -207,6 +216,7 @@ impl CudaRank {
     /// positions `first .. first + n`, `first` being one past the position of the first step).
     /// Waits for the GPU once, at the end.
     pub fn device_steps(&mut self, seq: u64, first: usize, n: usize, sampling: DeviceSampling) -> Result<Vec<u32>> {
+        tracing::trace!(rank = self.rank, seq, first, n, "device steps");
         self.maybe_fail(n as u64)?;
         let cuda = crate::cuda_backend::cuda_error;
         if self.graphed {
@@ -268,6 +278,10 @@ impl CudaRank {
                         ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
                     }
                     wait_replay(&c, ev, self.rank)?;
+                    // A replay can also "finish" because an abort made its NCCL kernels exit:
+                    // its tokens are then garbage. The abort marks the communicator before it
+                    // starts (under the lock `while_live` takes), so this refuses them.
+                    c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))?;
                 }
             }
         } else {
@@ -286,15 +300,27 @@ impl CudaRank {
     }
 }
 
-/// Waits for `ev` (the last replay) while watching the communicator: returns NCCL's
-/// asynchronous error if it reports one, and aborts the communicator when the step takes longer
-/// than [`STEP_TIMEOUT`] (a peer process that died is otherwise never noticed).
+/// Waits for `ev` (the last replay) while watching the communicator, without ever blocking an
+/// abort: the wait returns an error once another thread aborted the communicator (the group's
+/// failure path: the kernels stuck on a dead peer exit then), reports NCCL's asynchronous error
+/// if it has one (polled without waiting for the communicator's lock, and only once a step is
+/// slow), and aborts the communicator itself when the step takes longer than [`STEP_TIMEOUT`]
+/// (a peer process that died is otherwise never noticed).
 fn wait_replay(comm: &NcclRank, ev: &CudaEvent, rank: usize) -> Result<()> {
     let t0 = Instant::now();
     let mut spins = 0u32;
+    let mut next_poll = NCCL_POLL_AFTER;
     while !ev.try_is_complete().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))? {
-        comm.check_async_error().map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
-        if t0.elapsed() > STEP_TIMEOUT {
+        if comm.is_aborted() {
+            tracing::debug!(rank, "replay wait ends: the communicator was aborted");
+            return Err(Error::Tp(format!("rank {rank}: the communicator was aborted while a step ran")));
+        }
+        let waited = t0.elapsed();
+        if waited >= next_poll {
+            comm.poll_async_error().map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
+            next_poll = waited + NCCL_POLL_EVERY;
+        }
+        if waited > STEP_TIMEOUT {
             comm.abort("a decode step did not finish in time: a peer rank is gone");
             return Err(Error::Tp(format!(
                 "rank {rank}: a decode step did not finish in {} s; the communicator was aborted",
@@ -302,10 +328,10 @@ fn wait_replay(comm: &NcclRank, ev: &CudaEvent, rank: usize) -> Result<()> {
             )));
         }
         spins += 1;
-        if spins < 2_000 {
+        if spins < WAIT_SPINS {
             std::hint::spin_loop();
         } else {
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::sleep(WAIT_SLEEP);
         }
     }
     Ok(())

@@ -127,12 +127,14 @@ impl RankWorker for CudaTpWorker {
 #[cold]
 fn fail(aborts: &[AbortHandle], e: TpError<Error>) -> Error {
     let msg = flatten(&e);
+    tracing::debug!(error = %msg, "TP group failed: aborting every communicator");
     // ncclCommAbort takes a while (it stops NCCL's proxy threads): abort the ranks in parallel.
     std::thread::scope(|s| {
         for a in aborts {
             s.spawn(|| a.abort(&msg));
         }
     });
+    tracing::debug!("every communicator aborted");
     Error::Tp(msg)
 }
 

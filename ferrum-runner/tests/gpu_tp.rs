@@ -27,6 +27,14 @@ const BF16: ferrum_cuda::DType = ferrum_cuda::DType::BF16;
 fn init() {
     // NCCL reads it at its first communicator; the tests never use NVLink multicast.
     std::env::set_var(ferrum_runner::NVLS_ENV, "0");
+    // `RUST_LOG=ferrum_runner=debug,ferrum_nccl=debug …` traces the failure paths to stderr.
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_thread_names(true)
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
 }
 
 /// Small model, realistic head_dim 64; `kv_heads` KV heads with 2 query heads each (3 for
@@ -464,4 +472,32 @@ fn device_fed_calls_refuse_bad_input() {
     let l = b.prefill(&p, 32).unwrap();
     let err = b.decode_on_device(argmax(&l), 23, DeviceSampling::Greedy, &mut |_| Ok(true)).unwrap_err();
     assert!(matches!(err, ferrum_runner::error::Error::ContextOverflow { .. }), "{err}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fused_split_merge_is_bit_identical() {
+    // The attention kernel's last split block merging the split-KV partials (fusion on, the
+    // default) must give exactly what the separate combine kernel gives (fusion off), eager and
+    // graphed, over a cache long enough for many splits and short enough for empty ones.
+    init();
+    for arch in ARCHS {
+        let cfg = config(arch, false, 2);
+        let w = weights(&cfg, 61);
+        let p = prompt(300, cfg.vocab_size, 4);
+        let mut off = tp1(&w);
+        off.runner().set_fusion(false);
+        let want = host_logits(&mut off, &p, 24, 1024);
+        let mut on = tp1(&w);
+        on.runner().set_fusion(true);
+        let got = host_logits(&mut on, &p, 24, 1024);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(bits(a), bits(b), "{arch:?}: fused vs unfused logits differ at step {i}");
+        }
+        let mut graphed = tp1(&w);
+        let dev = device_tokens(&mut graphed, &p, 24, 1024, DeviceSampling::Greedy);
+        let host: Vec<u32> = want[1..].iter().map(|l| argmax(l)).collect();
+        assert_eq!(dev, host, "{arch:?}: graphed fused tokens");
+        println!("{arch:?}: fused split merge bit-identical over 24 steps");
+    }
 }

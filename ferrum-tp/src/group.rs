@@ -718,7 +718,9 @@ fn rank_main<W: RankWorker, F>(
             break;
         }
     }
+    tracing::debug!(rank, "TP rank leaving after a failure; dropping its worker");
     if let Err(Failure::Panic(message)) = drop_worker(worker) {
         tracing::error!(rank, %message, "TP worker panicked while being dropped");
     }
+    tracing::debug!(rank, "TP rank worker dropped");
 }

@@ -180,6 +180,10 @@ pub(crate) struct Kernels {
     pub(crate) gemv_table: GemvTable,
     /// Kernels launch with programmatic dependent launch (compute_90 PTX on an sm_90+ GPU).
     pub(crate) pdl: bool,
+    /// Decode steps fuse what can be fused (today: the split-KV merge into the attention
+    /// kernel's last split block). `FERRUM_FUSE=0` turns it off (for A/B measurements); the
+    /// results are bit-identical either way.
+    pub(crate) fuse: bool,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -254,8 +258,9 @@ impl Kernels {
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
-        tracing::debug!(pdl, "kernels loaded");
-        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new(), pdl })
+        let fuse = std::env::var("FERRUM_FUSE").map_or(true, |v| v.trim() != "0");
+        tracing::debug!(pdl, fuse, "kernels loaded");
+        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new(), pdl, fuse })
     }
 
     fn builder(&self, k: Kernel) -> Launch<'_> {
@@ -404,6 +409,7 @@ impl Kernels {
         out: Region<'_, f32>,
         part_acc: Region<'_, f32>,
         part_ml: Region<'_, f32>,
+        counters: Region<'_, u32>,
         pos: Region<'_, u32>,
         n_tok: usize,
         n_splits: usize,
@@ -425,13 +431,17 @@ impl Kernels {
         let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn q")?;
         let pk = k_cache.need(kv_heads * capacity * head_dim, "attn k cache")?;
         let pv = v_cache.need(kv_heads * capacity * head_dim, "attn v cache")?;
-        let (po, pa, pm) = if n_splits == 1 {
-            (out.need(n_tok * heads * head_dim, "attn out")?, 0u64, 0u64)
+        // With several splits and non-null `counters`, the last split block of each (token,
+        // head) merges the partials into `out` itself (zeroed counters, reset after each use).
+        let (po, pa, pm, pc) = if n_splits == 1 {
+            (out.need(n_tok * heads * head_dim, "attn out")?, 0u64, 0u64, 0u64)
         } else {
+            let pc = counters.opt(n_tok * heads, "attn counters")?;
             (
-                0u64,
+                if pc == 0 { 0u64 } else { out.need(n_tok * heads * head_dim, "attn out")? },
                 part_acc.need(n_tok * heads * n_splits * head_dim, "attn part_acc")?,
                 part_ml.need(n_tok * heads * n_splits * 2, "attn part_ml")?,
+                pc,
             )
         };
         let ppos = pos.need(1, "attn pos")?;
@@ -444,15 +454,17 @@ impl Kernels {
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
         let mut b = self.builder(pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16));
-        b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&ppos);
+        b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
-        // ((t*heads + h)*n_splits + s); all extents checked above; the unused outputs are null
-        // and never touched; signature (const f32*, int, const T*, const T*, f32*, f32*, f32*,
-        // const u32*, int x4, float) matches.
+        // ((t*heads + h)*n_splits + s); with counters, it increments counters[t*heads + h] and
+        // the last block of (t, h) reads those partials and writes out[t][h*hd .. +hd); all
+        // extents checked above; the unused outputs are null and never touched; signature
+        // (const f32*, int, const T*, const T*, f32*, f32*, f32*, u32*, const u32*, int x4,
+        // float) matches.
         unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
         Ok(())
     }

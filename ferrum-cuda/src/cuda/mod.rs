@@ -227,6 +227,8 @@ struct Acts {
     step: CudaSlice<u32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
+    /// One ticket counter per head for the fused split-KV merge (zero between launches).
+    attn_counters: CudaSlice<u32>,
 }
 
 impl Acts {
@@ -252,6 +254,7 @@ impl Acts {
             step: alloc::<u32>(ctx, stream, cap + 1, "step parameters")?,
             part_acc: alloc::<f32>(ctx, stream, s.heads * splits * s.head_dim, "attention partials")?,
             part_ml: alloc::<f32>(ctx, stream, s.heads * splits * 2, "attention partials")?,
+            attn_counters: alloc::<u32>(ctx, stream, s.heads, "attention split counters")?,
         })
     }
 }
@@ -1095,6 +1098,16 @@ impl CudaDecodeRunner {
         }
     }
 
+    /// Turns kernel fusion on or off (default on, or `FERRUM_FUSE=0` at start-up): the fused
+    /// and unfused decode steps give bit-identical results; this lets a test check that and a
+    /// benchmark compare their speed. A captured step depends on it (its
+    /// [`DeviceStepKey`] changes).
+    #[doc(hidden)]
+    pub fn set_fusion(&mut self, on: bool) {
+        self.k.fuse = on;
+        self.generation += 1;
+    }
+
     /// Fault injection for failure tests: enqueues a kernel launch that CUDA rejects (a block of
     /// 2048 threads) and returns the driver's genuine error. Nothing is written.
     #[doc(hidden)]
@@ -1267,6 +1280,9 @@ fn forward(
             seq.capacity,
             eps,
         )?;
+        // Several splits (decode only, one token): the attention kernel's last split block
+        // merges them, unless fusion is off (then a combine kernel does).
+        let fused_merge = k.fuse && splits > 1 && n == 1;
         k.attn(
             region(&a.qkv, st, 0, n * qkv_dim)?,
             qkv_dim,
@@ -1275,6 +1291,7 @@ fn forward(
             region(&a.attn, st, 0, n * q_dim)?,
             whole(&a.part_acc, st)?,
             whole(&a.part_ml, st)?,
+            if fused_merge { whole(&a.attn_counters, st)? } else { Region::null() },
             pos,
             n,
             splits,
@@ -1284,7 +1301,7 @@ fn forward(
             s.head_dim,
             seq.capacity,
         )?;
-        if splits > 1 {
+        if splits > 1 && !fused_merge {
             k.attn_combine(
                 region(&a.attn, st, 0, n * q_dim)?,
                 whole(&a.part_acc, st)?,
