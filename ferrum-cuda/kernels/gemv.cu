@@ -5,6 +5,11 @@
 // fixed-order warp reduction.
 // The `gateup` variant multiplies by the stacked [gate; up] weight and writes
 // silu(gate . x) * (up . x) in fp32: SiLU-mul fused into the gate/up projection.
+// Two more fusions for one-GPU decode (the residual stream never leaves fp32):
+// - `_norm`: the input is the residual stream x and the projection applies RMSNorm on the
+//   way in: acc = W . (x * norm_w) and ss = sum(x^2) accumulate in the same loop, then
+//   y = acc * rsqrt(ss / cols + eps) (the norm's scalar commutes with the dot product).
+// - `_res`: the residual add on the way out: y[r] += W[r] . x (y is the residual stream).
 #include "common.cuh"
 
 __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
@@ -17,8 +22,11 @@ __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f
 // Every variant computes each row's dot product in the same order (lane l takes chunks l,
 // l + 32, ...; then the same warp reduction), so all variants give bit-identical results:
 // the runner may pick the fastest per shape without changing the output.
-template <typename T, int ROWS, bool GATEUP>
-__device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
+// NORM / RES: the fusions above. Each lane accumulates ss over the same chunks in the same
+// order in every variant, so the variants stay bit-identical with them too.
+template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false>
+__device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
+                     float eps) {
     constexpr int OUT = GATEUP ? ROWS / 2 : ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int wg = blockIdx.x * nw + warp;
@@ -37,6 +45,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    float ss = 0.0f;  // sum of x^2 (NORM only)
     if ((cols & 7) == 0) {
         // 16-byte path: W's rows are 16-byte aligned and x is 32-byte aligned because
         // cols % 8 == 0 and buffers come from cuMemAlloc (256-byte aligned), every region
@@ -52,7 +61,17 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(w4[r] + c);
             const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
-            const float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+            if (NORM) {
+                // norm_w is a whole cols-element allocation: chunk c is 16-byte aligned.
+                float nw[8];
+                unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nw, T());
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                    ss = fmaf(xf[j], xf[j], ss);
+                    xf[j] *= nw[j];
+                }
+            }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) {
                 float wf[8];
@@ -63,41 +82,97 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols) {
         }
     } else {
         for (int c = lane; c < cols; c += 32) {
-            const float xv = x[c];
+            float xv = x[c];
+            if (NORM) {
+                ss = fmaf(xv, xv, ss);
+                xv *= to_f(norm_w[c]);
+            }
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(to_f(W[row_idx[r] * cols + c]), xv, acc[r]);
         }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (NORM) {
+        const float rn = rsqrtf(warp_sum(ss) / (float)cols + eps);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] *= rn;
+    }
     if (lane == 0) {
 #pragma unroll
         for (int j = 0; j < OUT; ++j) {
-            if (o0 + j < rows) y[o0 + j] = GATEUP ? silu_mul_f(acc[j], acc[OUT + j]) : acc[j];
+            if (o0 + j < rows) {
+                const float v = GATEUP ? silu_mul_f(acc[j], acc[OUT + j]) : acc[j];
+                if (RES)
+                    y[o0 + j] += v;
+                else
+                    y[o0 + j] = v;
+            }
         }
     }
 }
 
+// Every GEMV entry point has the same parameters; norm_w and eps are read by the _norm ones only.
 #define FERRUM_GEMV(S, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols) {                \
+        ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols,                  \
+                          const T *norm_w, float eps) {                                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        gemv<T, 2, false>(y, W, x, rows, cols);                                                    \
+        gemv<T, 2, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols) {               \
+        ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols,                 \
+                          const T *norm_w, float eps) {                                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        gemv<T, 4, false>(y, W, x, rows, cols);                                                    \
+        gemv<T, 4, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {         \
+        ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols,           \
+                          const T *norm_w, float eps) {                                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        gemv<T, 2, true>(y, W, x, rows, cols);                                                     \
+        gemv<T, 2, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
-        ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols) {        \
+        ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols,          \
+                          const T *norm_w, float eps) {                                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        gemv<T, 4, true>(y, W, x, rows, cols);                                                     \
+        gemv<T, 4, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_norm_##S(float *y, const T *W, const float *x, int rows, int cols,             \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 2, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_norm_##S(float *y, const T *W, const float *x, int rows, int cols,            \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 4, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_gateup_norm_##S(float *y, const T *W, const float *x, int rows, int cols,      \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 2, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_gateup_norm_##S(float *y, const T *W, const float *x, int rows, int cols,     \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 4, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_res_##S(float *y, const T *W, const float *x, int rows, int cols,              \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 2, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_res_##S(float *y, const T *W, const float *x, int rows, int cols,             \
+                          const T *norm_w, float eps) {                                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        gemv<T, 4, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
     }
 
 FERRUM_GEMV(f16, f16)

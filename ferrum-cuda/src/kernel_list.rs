@@ -66,6 +66,21 @@ kernels! {
     /// The same with two outputs (four weight rows) per warp.
     Gemv4GateUpF16 => "ferrum_gemv4_gateup_f16" in "gemv",
     Gemv4GateUpBf16 => "ferrum_gemv4_gateup_bf16" in "gemv",
+    /// Batch-1 projection of RMSNorm(x) * norm_w, the norm fused in (x: the residual stream).
+    GemvNormF16 => "ferrum_gemv_norm_f16" in "gemv",
+    GemvNormBf16 => "ferrum_gemv_norm_bf16" in "gemv",
+    Gemv4NormF16 => "ferrum_gemv4_norm_f16" in "gemv",
+    Gemv4NormBf16 => "ferrum_gemv4_norm_bf16" in "gemv",
+    /// Gate|up projection of RMSNorm(x) * norm_w with SiLU·mul (both fused).
+    GemvGateUpNormF16 => "ferrum_gemv_gateup_norm_f16" in "gemv",
+    GemvGateUpNormBf16 => "ferrum_gemv_gateup_norm_bf16" in "gemv",
+    Gemv4GateUpNormF16 => "ferrum_gemv4_gateup_norm_f16" in "gemv",
+    Gemv4GateUpNormBf16 => "ferrum_gemv4_gateup_norm_bf16" in "gemv",
+    /// Batch-1 projection added into its output (the residual add fused in).
+    GemvResF16 => "ferrum_gemv_res_f16" in "gemv",
+    GemvResBf16 => "ferrum_gemv_res_bf16" in "gemv",
+    Gemv4ResF16 => "ferrum_gemv4_res_f16" in "gemv",
+    Gemv4ResBf16 => "ferrum_gemv4_res_bf16" in "gemv",
     /// SiLU·mul in fp32 (prefill and cuBLAS path).
     SiluMul => "ferrum_silu_mul" in "gemv",
     /// fp32 activations to the model dtype (the input of a cuBLAS GEMM).

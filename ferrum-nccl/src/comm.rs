@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRep
 use cudarc::nccl::sys;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 // ---------------------------------------------------------------------------------------------
 // Library presence, error text
@@ -517,31 +517,6 @@ impl NcclRank {
     /// returned. Cheap; call it from a watchdog while waiting for GPU work.
     pub fn check_async_error(&self) -> Result<()> {
         let mut state = self.shared.lock();
-        let mut async_code = sys::ncclResult_t::ncclSuccess;
-        self.shared.call_locked(&mut state, "ncclCommGetAsyncError", false, |comm| {
-            // SAFETY: `comm` is live (call_locked checked it under the lock) and `async_code`
-            // is a valid out-pointer.
-            unsafe { sys::ncclCommGetAsyncError(comm, &mut async_code) }
-        })?;
-        if is_ok(async_code) {
-            return Ok(());
-        }
-        // SAFETY: still live: only call_locked/abort_locked free it, under this held lock.
-        let err = unsafe { nccl_error("asynchronous NCCL operation", async_code, self.shared.comm) };
-        self.shared.abort_locked(&mut state, format!("asynchronous error: {err}"));
-        Err(err)
-    }
-
-    /// [`check_async_error`](Self::check_async_error) without waiting: when another thread is
-    /// using the communicator (an enqueue, or an abort in progress) it returns `Ok` at once
-    /// instead of blocking, so a thread waiting for GPU work never holds up an abort. Returns
-    /// [`Error::Aborted`] once aborted.
-    pub fn poll_async_error(&self) -> Result<()> {
-        let mut state = match self.shared.state.try_lock() {
-            Ok(guard) => guard,
-            Err(TryLockError::Poisoned(p)) => p.into_inner(),
-            Err(TryLockError::WouldBlock) => return Ok(()),
-        };
         let mut async_code = sys::ncclResult_t::ncclSuccess;
         self.shared.call_locked(&mut state, "ncclCommGetAsyncError", false, |comm| {
             // SAFETY: `comm` is live (call_locked checked it under the lock) and `async_code`

@@ -106,10 +106,6 @@ impl NcclRank {
     pub fn check_async_error(&self) -> Result<()> {
         match self.never {}
     }
-    /// Polls NCCL for an asynchronous error without waiting for the communicator's lock.
-    pub fn poll_async_error(&self) -> Result<()> {
-        match self.never {}
-    }
 }
 
 /// Aborts a rank's communicator from any thread.

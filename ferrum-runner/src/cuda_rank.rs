@@ -32,20 +32,6 @@ use crate::error::{Error, Result};
 
 /// Graphs kept per rank (one per live sequence buffer set and sampling mode).
 const GRAPH_CACHE: usize = 4;
-/// How long a TP rank waits for one replayed step before it declares a peer gone and aborts its
-/// communicator (far above any decode step; a dead peer process is otherwise never noticed over
-/// NVLink).
-const STEP_TIMEOUT: Duration = Duration::from_secs(30);
-/// A slow step starts polling NCCL for an asynchronous error after this long …
-const NCCL_POLL_AFTER: Duration = Duration::from_millis(100);
-/// … and polls again this often.
-const NCCL_POLL_EVERY: Duration = Duration::from_millis(20);
-/// Busy polls of a replay's completion before the wait starts sleeping (a decode step takes
-/// 1–5 ms; spinning keeps the next launch close behind the GPU).
-const WAIT_SPINS: u32 = 2_000;
-/// Sleep between polls once past [`WAIT_SPINS`].
-const WAIT_SLEEP: Duration = Duration::from_micros(20);
-
 /// What a captured step depends on besides the runner's fixed buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct GraphKey {
@@ -254,10 +240,14 @@ impl CudaRank {
                 Some(c) => {
                     // The graph holds NCCL kernels: launch it only while its communicator is
                     // live (under the communicator's lock, so an abort cannot free it mid-launch),
-                    // one replay at a time, each after the previous one finished (waited for
-                    // outside the lock). So cuGraphLaunch never blocks on a full launch queue
-                    // while holding the lock, an abort from another thread can always take it,
-                    // and the wait returns once that abort ends a collective stuck on a dead peer.
+                    // one replay at a time, each after the previous one finished. So
+                    // cuGraphLaunch never blocks on a full launch queue while holding the lock,
+                    // and an abort from another thread (the group's failure path) can always
+                    // take it. The wait is a blocking event synchronisation outside the lock:
+                    // an abort makes NCCL kernels stuck on a dead peer exit, so it returns.
+                    // (A polling wait here, cuEventQuery in a loop, hung ncclCommAbort's
+                    // teardown on the H200 runner; the blocking wait is what the failure tests
+                    // pass with.)
                     let ev = match self.replay_done.take() {
                         Some(e) => e,
                         None => stream
@@ -266,22 +256,20 @@ impl CudaRank {
                             .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
                     };
                     let ev = &*self.replay_done.insert(ev);
-                    for i in 0..n {
-                        if i > 0 {
-                            wait_replay(&c, ev, self.rank)?;
-                        }
+                    let rank = self.rank;
+                    for _ in 0..n {
                         let t = Instant::now();
                         c.while_live(|| graph.replay(&stream))
-                            .map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))?
+                            .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
                             .map_err(graph_error)?;
                         self.stats.enqueue_time += t.elapsed();
                         ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
+                        ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
                     }
-                    wait_replay(&c, ev, self.rank)?;
-                    // A replay can also "finish" because an abort made its NCCL kernels exit:
-                    // its tokens are then garbage. The abort marks the communicator before it
-                    // starts (under the lock `while_live` takes), so this refuses them.
-                    c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))?;
+                    // A replay also "finishes" when an abort made its NCCL kernels exit; its
+                    // tokens are then garbage. The abort marks the communicator before it starts
+                    // (under the lock `while_live` takes), so this refuses them.
+                    c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
                 }
             }
         } else {
@@ -298,41 +286,4 @@ impl CudaRank {
     pub fn device_end(&mut self, seq: u64, len: usize) -> Result<()> {
         self.runner.device_decode_end(seq, len).map_err(crate::cuda_backend::cuda_error)
     }
-}
-
-/// Waits for `ev` (the last replay) while watching the communicator, without ever blocking an
-/// abort: the wait returns an error once another thread aborted the communicator (the group's
-/// failure path: the kernels stuck on a dead peer exit then), reports NCCL's asynchronous error
-/// if it has one (polled without waiting for the communicator's lock, and only once a step is
-/// slow), and aborts the communicator itself when the step takes longer than [`STEP_TIMEOUT`]
-/// (a peer process that died is otherwise never noticed).
-fn wait_replay(comm: &NcclRank, ev: &CudaEvent, rank: usize) -> Result<()> {
-    let t0 = Instant::now();
-    let mut spins = 0u32;
-    let mut next_poll = NCCL_POLL_AFTER;
-    while !ev.try_is_complete().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))? {
-        if comm.is_aborted() {
-            tracing::debug!(rank, "replay wait ends: the communicator was aborted");
-            return Err(Error::Tp(format!("rank {rank}: the communicator was aborted while a step ran")));
-        }
-        let waited = t0.elapsed();
-        if waited >= next_poll {
-            comm.poll_async_error().map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
-            next_poll = waited + NCCL_POLL_EVERY;
-        }
-        if waited > STEP_TIMEOUT {
-            comm.abort("a decode step did not finish in time: a peer rank is gone");
-            return Err(Error::Tp(format!(
-                "rank {rank}: a decode step did not finish in {} s; the communicator was aborted",
-                STEP_TIMEOUT.as_secs()
-            )));
-        }
-        spins += 1;
-        if spins < WAIT_SPINS {
-            std::hint::spin_loop();
-        } else {
-            std::thread::sleep(WAIT_SLEEP);
-        }
-    }
-    Ok(())
 }

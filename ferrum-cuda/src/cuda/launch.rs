@@ -180,16 +180,30 @@ pub(crate) struct Kernels {
     pub(crate) gemv_table: GemvTable,
     /// Kernels launch with programmatic dependent launch (compute_90 PTX on an sm_90+ GPU).
     pub(crate) pdl: bool,
-    /// Decode steps fuse what can be fused (today: the split-KV merge into the attention
-    /// kernel's last split block). `FERRUM_FUSE=0` turns it off (for A/B measurements); the
-    /// results are bit-identical either way.
-    pub(crate) fuse: bool,
+    /// Decode steps merge the split-KV partials in the attention kernel's last split block
+    /// (else in a combine kernel; bit-identical either way).
+    pub(crate) fuse_merge: bool,
+    /// One-GPU decode steps fuse the residual adds and RMSNorms into the projections (gemv.cu's
+    /// `_res` / `_norm` kernels; the same math, other f32 rounding).
+    pub(crate) fuse_norms: bool,
 }
 
 impl std::fmt::Debug for Kernels {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Kernels").field("kernels", &self.funcs.len()).field("dtype", &self.dtype).finish()
     }
+}
+
+/// How a batch-1 GEMV meets its input and output: the one-GPU decode fusions (gemv.cu).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum GemvIo<'a> {
+    /// `y = W x`.
+    Plain,
+    /// `y = W (RMSNorm(x) * w)`: x is the fp32 residual stream, `w` the norm weight (`cols`
+    /// elements, in the dtype).
+    Norm { w: Region<'a, u16>, eps: f32 },
+    /// `y += W x`: y is the fp32 residual stream (the residual add fused in).
+    AddTo,
 }
 
 /// How a batch-1 GEMV is launched: rows per warp (2 or 4) and threads per block. Every variant
@@ -258,9 +272,20 @@ impl Kernels {
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
+        // `FERRUM_FUSE=0`: every fusion off (for A/B measurements).
         let fuse = std::env::var("FERRUM_FUSE").map_or(true, |v| v.trim() != "0");
         tracing::debug!(pdl, fuse, "kernels loaded");
-        Ok(Kernels { funcs, _modules: modules, stream, blas, dtype, gemv_table: GemvTable::new(), pdl, fuse })
+        Ok(Kernels {
+            funcs,
+            _modules: modules,
+            stream,
+            blas,
+            dtype,
+            gemv_table: GemvTable::new(),
+            pdl,
+            fuse_merge: fuse,
+            fuse_norms: fuse,
+        })
     }
 
     fn builder(&self, k: Kernel) -> Launch<'_> {
@@ -503,25 +528,49 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
+        self.gemv_io(y, w, x, rows, cols, GemvIo::Plain)
+    }
+
+    /// [`gemv`](Self::gemv) with a fusion on its input or output (see [`GemvIo`]).
+    pub(crate) fn gemv_io(
+        &self,
+        y: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        rows: usize,
+        cols: usize,
+        io: GemvIo<'_>,
+    ) -> Result<()> {
         let py = y.need(rows, "gemv y")?;
         let pw = w.need(rows * cols, "gemv W")?;
         let px = x.need(cols, "gemv x")?;
+        let (pn, eps) = match io {
+            GemvIo::Norm { w, eps } => (w.need(cols, "gemv norm weight")?, eps),
+            GemvIo::Plain | GemvIo::AddTo => (0u64, 0.0f32),
+        };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         let v = self.gemv_table.get(&(rows, cols, false)).copied().unwrap_or_default();
-        let k = match v.rows4 {
-            false => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
-            true => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+        let k = match (v.rows4, io) {
+            (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+            (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+            (false, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
+            (true, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
+            (false, GemvIo::AddTo) => pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16),
+            (true, GemvIo::AddTo) => pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16),
         };
         let mut b = self.builder(k);
-        b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
+        b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(rows, false)?;
         // SAFETY: each warp reads ROWS (2 or 4) consecutive rows of W (clamped to rows-1) over
-        // cols and the f32 x over cols, and writes the f32 y[r] for r < rows only; extents
-        // checked above; signature (f32*, const T*, const f32*, int, int) matches. The vector
-        // path runs only when cols % 8 == 0; then W's rows are 16-byte aligned and x is 32-byte
-        // aligned (it is read as float4 pairs), because allocations are 256-byte aligned and
-        // every region passed here starts at a whole matrix or at an activation row, i.e. at a
-        // multiple of cols elements.
+        // cols and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
+        // cols, null and unread otherwise), and writes (the `_res` kernels read and write) the
+        // f32 y[r] for r < rows only; extents checked above; y never overlaps x (distinct
+        // activation buffers); signature (f32*, const T*, const f32*, int, int, const T*,
+        // float) matches. The vector path runs only when cols % 8 == 0; then W's rows and the
+        // norm weight are 16-byte aligned and x is 32-byte aligned (it is read as float4
+        // pairs), because allocations are 256-byte aligned and every region passed here starts
+        // at a whole matrix or vector or at an activation row, i.e. at a multiple of cols
+        // elements.
         unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
@@ -536,22 +585,44 @@ impl Kernels {
         inter: usize,
         cols: usize,
     ) -> Result<()> {
+        self.gemv_gateup_io(h, w, x, inter, cols, None)
+    }
+
+    /// [`gemv_gateup`](Self::gemv_gateup) of `RMSNorm(x) * norm_w` when `norm` is
+    /// `Some((norm_w, eps))` (x is then the residual stream).
+    pub(crate) fn gemv_gateup_io(
+        &self,
+        h: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        inter: usize,
+        cols: usize,
+        norm: Option<(Region<'_, u16>, f32)>,
+    ) -> Result<()> {
         let ph = h.need(inter, "gateup h")?;
         let pw = w.need(2 * inter * cols, "gateup W")?;
         let px = x.need(cols, "gateup x")?;
+        let (pn, eps) = match norm {
+            Some((nw, eps)) => (nw.need(cols, "gateup norm weight")?, eps),
+            None => (0u64, 0.0f32),
+        };
         let (r, c) = (i32_of(inter, "inter")?, i32_of(cols, "cols")?);
         let v = self.gemv_table.get(&(inter, cols, true)).copied().unwrap_or_default();
-        let k = match v.rows4 {
-            false => pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16),
-            true => pick(self.dtype, Kernel::Gemv4GateUpF16, Kernel::Gemv4GateUpBf16),
+        let k = match (v.rows4, norm.is_some()) {
+            (false, false) => pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16),
+            (true, false) => pick(self.dtype, Kernel::Gemv4GateUpF16, Kernel::Gemv4GateUpBf16),
+            (false, true) => pick(self.dtype, Kernel::GemvGateUpNormF16, Kernel::GemvGateUpNormBf16),
+            (true, true) => pick(self.dtype, Kernel::Gemv4GateUpNormF16, Kernel::Gemv4GateUpNormBf16),
         };
         let mut b = self.builder(k);
-        b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c);
+        b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(inter, true)?;
         // SAFETY: each warp computes outputs i < inter only (1 or 2 per warp), reading W rows i
-        // and inter + i (clamped below inter and 2*inter) over cols and the f32 x over cols,
-        // and writes the f32 h[i] for i < inter; extents checked above; signature (f32*,
-        // const T*, const f32*, int, int) matches; alignment as for `gemv`.
+        // and inter + i (clamped below inter and 2*inter) over cols and the f32 x over cols
+        // (the `_norm` kernels also the dtype norm weight over cols; null and unread
+        // otherwise), and writes the f32 h[i] for i < inter; extents checked above; signature
+        // (f32*, const T*, const f32*, int, int, const T*, float) matches; alignment as for
+        // `gemv_io`.
         unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }

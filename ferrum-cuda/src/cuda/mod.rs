@@ -9,7 +9,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use launch::{region, whole, Feed, GemvVariant, Kernels, Region, GEMV_VARIANTS};
+use launch::{region, whole, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -135,6 +135,12 @@ impl std::fmt::Debug for ReduceBuf<'_> {
 pub trait Reducer: Send {
     /// Sums `buf` over ranks, in place, ordered on `buf.stream`.
     fn all_reduce(&mut self, buf: ReduceBuf<'_>) -> Result<()>;
+
+    /// True when [`all_reduce`](Self::all_reduce) does nothing (one rank): the runner may then
+    /// fuse the residual adds and norms into the projections around the reduction points.
+    fn is_identity(&self) -> bool {
+        false
+    }
 }
 
 /// The single-GPU reducer: does nothing.
@@ -144,6 +150,9 @@ pub struct NoReduce;
 impl Reducer for NoReduce {
     fn all_reduce(&mut self, _buf: ReduceBuf<'_>) -> Result<()> {
         Ok(())
+    }
+    fn is_identity(&self) -> bool {
+        true
     }
 }
 
@@ -1098,13 +1107,15 @@ impl CudaDecodeRunner {
         }
     }
 
-    /// Turns kernel fusion on or off (default on, or `FERRUM_FUSE=0` at start-up): the fused
-    /// and unfused decode steps give bit-identical results; this lets a test check that and a
-    /// benchmark compare their speed. A captured step depends on it (its
-    /// [`DeviceStepKey`] changes).
+    /// Turns the decode-step fusions on or off (default on; `FERRUM_FUSE=0` turns both off at
+    /// start-up): `split_merge` (bit-identical either way) and `norms` (residual adds and
+    /// RMSNorms inside the projections, one GPU only: the same math with other f32 rounding).
+    /// For tests and A/B benchmarks. A captured step depends on them (its [`DeviceStepKey`]
+    /// changes).
     #[doc(hidden)]
-    pub fn set_fusion(&mut self, on: bool) {
-        self.k.fuse = on;
+    pub fn set_fusion(&mut self, split_merge: bool, norms: bool) {
+        self.k.fuse_merge = split_merge;
+        self.k.fuse_norms = norms;
         self.generation += 1;
     }
 
@@ -1247,21 +1258,34 @@ fn forward(
     let (qkv_dim, q_dim) = (s.qkv_dim(), s.q_dim());
     let layer_len = s.kv_dim() * seq.capacity;
     let pos = region(&a.step, st, a.cap, 1)?;
+    // One token on one GPU with the GEMV path: the residual adds and RMSNorms fold into the
+    // projections (gemv.cu's `_res` and `_norm` kernels), so a layer is qkv, rope, attention,
+    // o (+= x), gate|up (of norm(x)), down (+= x). Otherwise (prefill, cuBLAS, TP, whose
+    // all-reduce sits between a projection and its residual add) the norms run on their own.
+    let fused_norms = k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity();
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
-    k.rmsnorm(region(&a.y, st, 0, n * h)?, region(&a.x, st, 0, n * h)?, whole(&w.layers[0].attn_norm, st)?, n, h, eps)?;
+    if !fused_norms {
+        k.rmsnorm(region(&a.y, st, 0, n * h)?, region(&a.x, st, 0, n * h)?, whole(&w.layers[0].attn_norm, st)?, n, h, eps)?;
+    }
     let splits = if decode { seq.n_splits } else { 1 };
     for (li, lw) in w.layers.iter().enumerate() {
-        project(
-            k,
-            p,
-            region(&a.qkv, st, 0, n * qkv_dim)?,
-            whole(&lw.wqkv, st)?,
-            region(&a.y, st, 0, n * h)?,
-            region(&a.xh, st, 0, n * h)?,
-            qkv_dim,
-            h,
-            n,
-        )?;
+        if fused_norms {
+            // qkv = W_qkv (RMSNorm(x) * attn_norm)
+            let norm = GemvIo::Norm { w: whole(&lw.attn_norm, st)?, eps };
+            k.gemv_io(region(&a.qkv, st, 0, qkv_dim)?, whole(&lw.wqkv, st)?, region(&a.x, st, 0, h)?, qkv_dim, h, norm)?;
+        } else {
+            project(
+                k,
+                p,
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                whole(&lw.wqkv, st)?,
+                region(&a.y, st, 0, n * h)?,
+                region(&a.xh, st, 0, n * h)?,
+                qkv_dim,
+                h,
+                n,
+            )?;
+        }
         let kc = region(&seq.k, st, li * layer_len, layer_len)?;
         let vc = region(&seq.v, st, li * layer_len, layer_len)?;
         k.rope_qkv(
@@ -1282,7 +1306,7 @@ fn forward(
         )?;
         // Several splits (decode only, one token): the attention kernel's last split block
         // merges them, unless fusion is off (then a combine kernel does).
-        let fused_merge = k.fuse && splits > 1 && n == 1;
+        let fused_merge = k.fuse_merge && splits > 1 && n == 1;
         k.attn(
             region(&a.qkv, st, 0, n * qkv_dim)?,
             qkv_dim,
@@ -1311,6 +1335,14 @@ fn forward(
                 s.heads,
                 s.head_dim,
             )?;
+        }
+        if fused_norms {
+            // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h
+            k.gemv_io(region(&a.x, st, 0, h)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, GemvIo::AddTo)?;
+            let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
+            k.gemv_gateup_io(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.x, st, 0, h)?, inter, h, mlp_norm)?;
+            k.gemv_io(region(&a.x, st, 0, h)?, whole(&lw.wdown, st)?, region(&a.h, st, 0, inter)?, h, inter, GemvIo::AddTo)?;
+            continue;
         }
         project(
             k,
@@ -1376,6 +1408,11 @@ fn forward(
         )?;
     }
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+    if fused_norms {
+        // logits = W_head (RMSNorm(x) * final_norm)
+        let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
+        return k.gemv_io(whole(logits, st)?, whole(head, st)?, region(&a.x, st, 0, h)?, s.vocab, h, norm);
+    }
     let last = region(&a.y, st, (n - 1) * h, h)?;
     project(k, p, whole(logits, st)?, whole(head, st)?, last, region(&a.xh, st, 0, h)?, s.vocab, h, 1)
 }
