@@ -13,7 +13,8 @@ RET=${OUT:-/tmp/ferrum-gpu-out}
 OUT=${LOGS:-/tmp/ferrum-gpu-logs}
 mkdir -p "$OUT" "$RET"
 B=bundle
-S=$OUT/summary.txt
+# The summary goes straight to $RET, so a run cut short by a time limit still returns it.
+S=$RET/summary.txt
 : > "$S"
 say() { echo "$*" | tee -a "$S"; }
 
@@ -33,6 +34,7 @@ done
 # The GPU suite: every test executable in the bundle, ignored (GPU) tests only.
 FERRUM_HF_REF_ROOT=$HF timeout ${SUITE_TIMEOUT:-330} "$B/run-gpu-suite.sh" --nocapture ${SUITE_EXTRA:-} >"$OUT/gpu-suite.log" 2>&1
 say "== GPU suite exit: $?"
+cp "$OUT/gpu-suite.log" "$RET/" 2>/dev/null
 grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 vs|TP2 greedy|synthetic TP2|on rank" "$OUT/gpu-suite.log" \
     | cut -c1-220 | tee -a "$S"
 
@@ -110,6 +112,9 @@ PY
         say "== all-reduce latency (NCCL, 2 GPUs, in a graph and eager)"
         "$B/ferrum" bench --all-reduce --device cuda --tp 2 --hidden 4096 2>>"$OUT/bench.log" | tee -a "$S"
     fi
+    for f in "$OUT"/bench-*.json; do  # early copy, in case the peer runs past a time limit
+        [ -f "$f" ] && python3 -c 'import json,sys,os; print(json.dumps(dict(json.load(open(sys.argv[1])), file=os.path.basename(sys.argv[1]))))' "$f"
+    done >"$RET/bench-all.jsonl" 2>/dev/null
     if [ -f "$B/torch_decode.py" ] && [ -z "${SKIP_PEER:-}" ]; then
         say "== PyTorch peer (same GPU, same command)"
         python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
@@ -118,6 +123,6 @@ fi
 for f in "$OUT"/bench-*.json; do
     [ -f "$f" ] && python3 -c 'import json,sys,os; print(json.dumps(dict(json.load(open(sys.argv[1])), file=os.path.basename(sys.argv[1]))))' "$f"
 done >"$RET/bench-all.jsonl" 2>/dev/null
-cp "$S" "$OUT/gpu-suite.log" "$RET/" 2>/dev/null
+cp "$OUT/gpu-suite.log" "$RET/" 2>/dev/null
 [ -f "$OUT/tp-cli.log" ] && cp "$OUT/tp-cli.log" "$RET/"
 echo; echo "===== SUMMARY ====="; cat "$S"
