@@ -12,7 +12,7 @@ use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRep
 use cudarc::nccl::sys;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 
 // ---------------------------------------------------------------------------------------------
 // Library presence, error text
@@ -224,8 +224,9 @@ enum State {
 struct Shared {
     comm: sys::ncclComm_t,
     state: Mutex<State>,
-    /// Set once an abort has *returned* (`ncclCommAbort` done): lets waiters notice an abort
-    /// without taking `state`'s lock, which the abort holds while it runs.
+    /// Set when an abort *begins* (under `state`'s lock, before `ncclCommAbort`): lets callers
+    /// notice an abort without taking the lock, which the abort holds while it runs (and
+    /// `ncclCommAbort` can wait for the caller: see [`NcclRank::while_live`]).
     aborted: AtomicBool,
     rank: usize,
     world_size: usize,
@@ -256,6 +257,9 @@ impl Shared {
         }
         tracing::debug!(rank = self.rank, %reason, "aborting the NCCL communicator");
         *state = State::Aborted(reason);
+        // Release: a caller that reads `true` (Acquire) sees the Aborted state, and stops using
+        // the communicator before ncclCommAbort frees it.
+        self.aborted.store(true, Ordering::Release);
         let t0 = std::time::Instant::now();
         // SAFETY: `comm` is live (state was Live, and only this function, under the lock, ever
         // frees it); after this call the state is Aborted, so it is never used again.
@@ -263,8 +267,6 @@ impl Shared {
         if !is_ok(code) {
             tracing::warn!(rank = self.rank, code = ?code, "ncclCommAbort failed (ignored)");
         }
-        // Release: a waiter that reads `true` (Acquire, in `is_aborted`) sees the abort done.
-        self.aborted.store(true, Ordering::Release);
         tracing::debug!(rank = self.rank, took_ms = t0.elapsed().as_secs_f64() * 1e3, "NCCL communicator aborted");
     }
 
@@ -326,9 +328,9 @@ impl AbortHandle {
     }
 
     /// True once an abort (explicit, after a failure, or because the rank was dropped) has
-    /// returned. Never blocks (an abort in progress reads `false` until it is done).
+    /// begun. Never blocks.
     pub fn is_aborted(&self) -> bool {
-        // Acquire: pairs with the Release store after `ncclCommAbort` returned.
+        // Acquire: pairs with the Release store when the abort began.
         self.shared.aborted.load(Ordering::Acquire)
     }
 }
@@ -488,10 +490,9 @@ impl NcclRank {
         self.abort_handle().abort(reason)
     }
 
-    /// True once an abort has returned. Never blocks (an abort in progress reads `false` until
-    /// it is done), so a thread waiting for GPU work can poll it.
+    /// True once an abort has begun. Never blocks.
     pub fn is_aborted(&self) -> bool {
-        // Acquire: pairs with the Release store after `ncclCommAbort` returned.
+        // Acquire: pairs with the Release store when the abort began.
         self.shared.aborted.load(Ordering::Acquire)
     }
 
@@ -503,20 +504,47 @@ impl NcclRank {
     /// does not go through this wrapper. Launching under this guard orders every replay either
     /// before an abort (whose `ncclCommAbort` then terminates the kernels it enqueued) or after
     /// it (refused here). [`AbortHandle::abort`] waits for `f` to return, so keep `f` to
-    /// enqueueing work.
+    /// enqueueing work; this call never waits for an abort in progress (it fails instead).
     pub fn while_live<R>(&self, f: impl FnOnce() -> R) -> Result<R> {
-        let state = self.shared.lock();
-        if let State::Aborted(reason) = &*state {
-            return Err(self.shared.aborted_error(reason));
-        }
+        let _state = self.lock_live()?;
         Ok(f())
+    }
+
+    /// The communicator's lock, taken only while it is live: never *waits* for an abort in
+    /// progress (it fails instead). Seen with NCCL 2.28 on two H200s: the ncclCommAbort that
+    /// tears an ncclCommInitAll clique down (the last of its communicators to be aborted) did
+    /// not return while the rank thread owning this communicator's captured graphs was blocked
+    /// on this lock; that thread frees its graphs only after it gives up (NCCL keeps
+    /// graph-captured work referenced until then). So: fail as soon as an abort has begun (the
+    /// flag is set right after the abort takes the lock), and otherwise only try the lock,
+    /// yielding while another thread holds it.
+    fn lock_live(&self) -> Result<MutexGuard<'_, State>> {
+        loop {
+            // Acquire: pairs with the Release store when an abort began.
+            if self.shared.aborted.load(Ordering::Acquire) {
+                return Err(self.shared.aborted_error("the communicator was aborted"));
+            }
+            let state = match self.shared.state.try_lock() {
+                Ok(guard) => guard,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    std::thread::yield_now();
+                    continue;
+                }
+            };
+            if let State::Aborted(reason) = &*state {
+                let err = self.shared.aborted_error(reason);
+                return Err(err);
+            }
+            return Ok(state);
+        }
     }
 
     /// Polls NCCL for an asynchronous error (a peer or network failure noticed by NCCL's proxy
     /// thread, `ncclCommGetAsyncError`). On error the communicator is aborted and NCCL's text is
     /// returned. Cheap; call it from a watchdog while waiting for GPU work.
     pub fn check_async_error(&self) -> Result<()> {
-        let mut state = self.shared.lock();
+        let mut state = self.lock_live()?;
         let mut async_code = sys::ncclResult_t::ncclSuccess;
         self.shared.call_locked(&mut state, "ncclCommGetAsyncError", false, |comm| {
             // SAFETY: `comm` is live (call_locked checked it under the lock) and `async_code`
@@ -552,7 +580,7 @@ impl NcclRank {
         buf: &mut B,
         stream: &CudaStream,
     ) -> Result<()> {
-        let mut state = self.shared.lock();
+        let mut state = self.lock_live()?;
         self.all_reduce_locked(&mut state, buf, stream, false)
     }
 
@@ -588,7 +616,7 @@ impl NcclRank {
         stream: cu::CUstream,
     ) -> Result<()> {
         make_current(&self.ctx)?;
-        let mut state = self.shared.lock();
+        let mut state = self.lock_live()?;
         // SAFETY: forwarded from this function's contract.
         unsafe { self.enqueue_all_reduce(&mut state, buf, count, dtype, stream, false) }
     }
@@ -630,7 +658,7 @@ impl NcclRank {
         recv: &mut R,
         stream: &CudaStream,
     ) -> Result<()> {
-        let mut state = self.shared.lock();
+        let mut state = self.lock_live()?;
         self.all_gather_locked(&mut state, send, recv, stream, false)
     }
 
@@ -676,7 +704,7 @@ impl NcclRank {
         stream: cu::CUstream,
     ) -> Result<()> {
         make_current(&self.ctx)?;
-        let mut state = self.shared.lock();
+        let mut state = self.lock_live()?;
         // SAFETY: forwarded from this function's contract.
         unsafe { self.enqueue_all_gather(&mut state, send, recv, count, dtype, stream, false) }
     }

@@ -1232,6 +1232,12 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
     }
 }
 
+/// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs.
+/// Measured on an H200 (bf16, `ferrum bench`, fused vs `FERRUM_FUSE=0`): hidden 576 (135M)
+/// +15%, 2048 (1B) +5%, 4096 (8B) −10% (not yet understood: a profile of the `_norm` GEMVs at
+/// that width is the next step), so wider models keep the separate add + RMSNorm kernels.
+const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
+
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1262,7 +1268,9 @@ fn forward(
     // projections (gemv.cu's `_res` and `_norm` kernels), so a layer is qkv, rope, attention,
     // o (+= x), gate|up (of norm(x)), down (+= x). Otherwise (prefill, cuBLAS, TP, whose
     // all-reduce sits between a projection and its residual add) the norms run on their own.
-    let fused_norms = k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity();
+    // Only up to FUSED_NORMS_MAX_HIDDEN: measured faster at hidden 576 and 2048, slower at 4096.
+    let fused_norms =
+        k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= FUSED_NORMS_MAX_HIDDEN;
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
     if !fused_norms {
         k.rmsnorm(region(&a.y, st, 0, n * h)?, region(&a.x, st, 0, n * h)?, whole(&w.layers[0].attn_norm, st)?, n, h, eps)?;
