@@ -244,10 +244,10 @@ impl CudaRank {
                     // cuGraphLaunch never blocks on a full launch queue while holding the lock,
                     // and an abort from another thread (the group's failure path) can always
                     // take it. The wait is a blocking event synchronisation outside the lock:
-                    // an abort makes NCCL kernels stuck on a dead peer exit, so it returns.
-                    // (A polling wait here, cuEventQuery in a loop, hung ncclCommAbort's
-                    // teardown on the H200 runner; the blocking wait is what the failure tests
-                    // pass with.)
+                    // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
+                    // the next `while_live` fails at once instead of waiting for the aborting
+                    // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
+                    // see `NcclRank::while_live`).
                     let ev = match self.replay_done.take() {
                         Some(e) => e,
                         None => stream
