@@ -391,7 +391,13 @@ impl NcclRank {
             .zip(ctxs)
             .enumerate()
             .map(|(rank, (comm, ctx))| NcclRank {
-                shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), aborted: AtomicBool::new(false), rank, world_size }),
+                shared: Arc::new(Shared {
+                    comm,
+                    state: Mutex::new(State::Live),
+                    aborted: AtomicBool::new(false),
+                    rank,
+                    world_size,
+                }),
                 ctx,
             })
             .collect())
@@ -419,7 +425,13 @@ impl NcclRank {
             return Err(unsafe { nccl_error("ncclCommInitRank", code, std::ptr::null_mut()) });
         }
         Ok(NcclRank {
-            shared: Arc::new(Shared { comm, state: Mutex::new(State::Live), aborted: AtomicBool::new(false), rank, world_size }),
+            shared: Arc::new(Shared {
+                comm,
+                state: Mutex::new(State::Live),
+                aborted: AtomicBool::new(false),
+                rank,
+                world_size,
+            }),
             ctx: ctx.clone(),
         })
     }

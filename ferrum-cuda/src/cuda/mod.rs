@@ -1273,14 +1273,28 @@ fn forward(
         k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= FUSED_NORMS_MAX_HIDDEN;
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
     if !fused_norms {
-        k.rmsnorm(region(&a.y, st, 0, n * h)?, region(&a.x, st, 0, n * h)?, whole(&w.layers[0].attn_norm, st)?, n, h, eps)?;
+        k.rmsnorm(
+            region(&a.y, st, 0, n * h)?,
+            region(&a.x, st, 0, n * h)?,
+            whole(&w.layers[0].attn_norm, st)?,
+            n,
+            h,
+            eps,
+        )?;
     }
     let splits = if decode { seq.n_splits } else { 1 };
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
             let norm = GemvIo::Norm { w: whole(&lw.attn_norm, st)?, eps };
-            k.gemv_io(region(&a.qkv, st, 0, qkv_dim)?, whole(&lw.wqkv, st)?, region(&a.x, st, 0, h)?, qkv_dim, h, norm)?;
+            k.gemv_io(
+                region(&a.qkv, st, 0, qkv_dim)?,
+                whole(&lw.wqkv, st)?,
+                region(&a.x, st, 0, h)?,
+                qkv_dim,
+                h,
+                norm,
+            )?;
         } else {
             project(
                 k,
@@ -1346,10 +1360,31 @@ fn forward(
         }
         if fused_norms {
             // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h
-            k.gemv_io(region(&a.x, st, 0, h)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, GemvIo::AddTo)?;
+            k.gemv_io(
+                region(&a.x, st, 0, h)?,
+                whole(&lw.wo, st)?,
+                region(&a.attn, st, 0, q_dim)?,
+                h,
+                q_dim,
+                GemvIo::AddTo,
+            )?;
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
-            k.gemv_gateup_io(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.x, st, 0, h)?, inter, h, mlp_norm)?;
-            k.gemv_io(region(&a.x, st, 0, h)?, whole(&lw.wdown, st)?, region(&a.h, st, 0, inter)?, h, inter, GemvIo::AddTo)?;
+            k.gemv_gateup_io(
+                region(&a.h, st, 0, inter)?,
+                whole(&lw.wgu, st)?,
+                region(&a.x, st, 0, h)?,
+                inter,
+                h,
+                mlp_norm,
+            )?;
+            k.gemv_io(
+                region(&a.x, st, 0, h)?,
+                whole(&lw.wdown, st)?,
+                region(&a.h, st, 0, inter)?,
+                h,
+                inter,
+                GemvIo::AddTo,
+            )?;
             continue;
         }
         project(
