@@ -83,7 +83,7 @@ PY
         done
     fi
     if [ -z "${SKIP_NOFUSE:-}" ]; then
-        say "== the same TP1 runs with FERRUM_FUSE=0 (split-KV merge in its own kernel)"
+        say "== the same TP1 runs with FERRUM_FUSE=0 (every decode fusion off: split-KV merge and norms)"
         for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
             FERRUM_FUSE=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
                 --runs 3 --json >"$OUT/bench-$m-nofuse.json" 2>>"$OUT/bench.log"

@@ -423,7 +423,9 @@ impl Kernels {
     }
 
     /// Attention of `n_tok` query rows (row stride `q_stride`) over one layer's cache. With
-    /// `n_splits == 1` writes `out` directly; else writes partials for [`Self::attn_combine`].
+    /// `n_splits == 1` writes `out` directly; else writes partials, which the last split block
+    /// of each (token, head) merges into `out` when `counters` is not null, and
+    /// [`Self::attn_combine`] otherwise.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,

@@ -168,7 +168,7 @@ pub struct DeviceStepKey {
     dtype: DType,
     projection: Projection,
     /// Bumped whenever something a captured step bakes in changes outside the sequence
-    /// (the reducer, the projection mode, the GEMV variants).
+    /// (the reducer, the projection mode, the GEMV variants, the fusion settings).
     generation: u64,
 }
 
