@@ -94,17 +94,17 @@ __device__ __forceinline__ void merge_into(float *out, const float *part_acc, co
 // (__threadfence: visible device-wide before anything it does later), the block synchronises,
 // then thread 0 takes a ticket with atomicAdd; a block that draws ticket n_splits - 1 knows
 // every other block took its ticket after fencing its writes, and it reads them through L2
-// (__ldcg, never a stale L1 line). That block also resets the counter to 0 for the next launch
-// (every ticket of this launch is taken by then). Called by every thread of the block.
+// (__ldcg, never a stale L1 line). atomicInc wraps the counter from n_splits - 1 back to 0 with
+// that last ticket, so it is 0 again for the next launch with no separate store. Called by
+// every thread of the block.
 __device__ void merge_splits(float *out, const float *part_acc, const float *part_ml,
                              uint32_t *counter, int heads, int hd, int n_splits) {
     __shared__ bool s_last;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const uint32_t ticket = atomicAdd(counter, 1u);
+        const uint32_t ticket = atomicInc(counter, (uint32_t)n_splits - 1);
         s_last = ticket == (uint32_t)n_splits - 1;
-        if (s_last) *counter = 0u;
     }
     __syncthreads();
     if (!s_last) return;

@@ -1,5 +1,5 @@
 // Shared helpers for ferrum's kernels. All reductions accumulate in fp32 in a
-// fixed order (no atomics), so every kernel is deterministic.
+// fixed order (no float atomics), so every kernel is deterministic.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

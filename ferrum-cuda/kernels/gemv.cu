@@ -64,12 +64,12 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
             if (NORM) {
                 // norm_w is a whole cols-element allocation: chunk c is 16-byte aligned.
-                float nw[8];
-                unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nw, T());
+                float nf[8];
+                unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nf, T());
 #pragma unroll
                 for (int j = 0; j < 8; ++j) {
                     ss = fmaf(xf[j], xf[j], ss);
-                    xf[j] *= nw[j];
+                    xf[j] *= nf[j];
                 }
             }
 #pragma unroll

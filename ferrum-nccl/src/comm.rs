@@ -228,6 +228,9 @@ struct Shared {
     /// notice an abort without taking the lock, which the abort holds while it runs (and
     /// `ncclCommAbort` can wait for the caller: see [`NcclRank::while_live`]).
     aborted: AtomicBool,
+    /// Why it was aborted: set (once) before `aborted`, so a caller that sees the flag can
+    /// report the cause without the lock.
+    reason: OnceLock<String>,
     rank: usize,
     world_size: usize,
 }
@@ -256,6 +259,7 @@ impl Shared {
             return;
         }
         tracing::debug!(rank = self.rank, %reason, "aborting the NCCL communicator");
+        let _ = self.reason.set(reason.clone());
         *state = State::Aborted(reason);
         // Release (paired with the Acquire loads): the flag publishes no data — the state is
         // only read under the mutex, and the communicator only used under it — so Relaxed
@@ -322,9 +326,15 @@ pub struct AbortHandle {
 }
 
 impl AbortHandle {
-    /// Aborts the communicator (`ncclCommAbort`); idempotent. Waits only for an NCCL *enqueue*
-    /// call that another thread is making on this communicator (never for GPU work).
+    /// Aborts the communicator (`ncclCommAbort`); idempotent: returns at once when an abort has
+    /// already begun (never waits for another thread's abort, which can wait for this thread:
+    /// see [`NcclRank::while_live`]). Otherwise waits only for an NCCL *enqueue* call that
+    /// another thread is making on this communicator (never for GPU work).
     pub fn abort(&self, reason: &str) {
+        // Acquire: pairs with the Release store when an abort began (see `abort_locked`).
+        if self.shared.aborted.load(Ordering::Acquire) {
+            return;
+        }
         let mut state = self.shared.lock();
         self.shared.abort_locked(&mut state, reason.to_string());
     }
@@ -397,6 +407,7 @@ impl NcclRank {
                     comm,
                     state: Mutex::new(State::Live),
                     aborted: AtomicBool::new(false),
+                    reason: OnceLock::new(),
                     rank,
                     world_size,
                 }),
@@ -431,6 +442,7 @@ impl NcclRank {
                 comm,
                 state: Mutex::new(State::Live),
                 aborted: AtomicBool::new(false),
+                reason: OnceLock::new(),
                 rank,
                 world_size,
             }),
@@ -536,7 +548,8 @@ impl NcclRank {
         loop {
             // Acquire: pairs with the Release store when an abort began (see `abort_locked`).
             if self.shared.aborted.load(Ordering::Acquire) {
-                return Err(self.shared.aborted_error("the communicator was aborted"));
+                let reason = self.shared.reason.get().map_or("aborted", String::as_str);
+                return Err(self.shared.aborted_error(reason));
             }
             let state = match self.shared.state.try_lock() {
                 Ok(guard) => guard,

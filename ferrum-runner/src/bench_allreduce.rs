@@ -67,7 +67,9 @@ fn time_rank<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     })
     .context("capturing the all-reduces")?;
     graph.upload(&stream)?;
-    let graph_us = timed(&mut || Ok(graph.replay(&stream)?), PER_GRAPH)?;
+    // The graph holds NCCL kernels: launch it only while the communicator is live (a failing
+    // peer aborts every communicator from its own thread).
+    let graph_us = timed(&mut || Ok(rank.while_live(|| graph.replay(&stream))??), PER_GRAPH)?;
     drop(graph);
     let eager_us = timed(
         &mut || {

@@ -243,7 +243,7 @@ impl CudaRank {
                     // one replay at a time, each after the previous one finished. So
                     // cuGraphLaunch never blocks on a full launch queue while holding the lock,
                     // and an abort from another thread (the group's failure path) can always
-                    // take it. The wait is a blocking event synchronisation outside the lock:
+                    // take it. The wait is an event synchronisation (cuEventSynchronize) outside the lock:
                     // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
                     // the next `while_live` fails at once instead of waiting for the aborting
                     // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
