@@ -7,6 +7,8 @@
 #
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
+#   (also SKIP_SUITE, SKIP_MEMCHECK, SKIP_TPCLI, SKIP_NOPDL, SKIP_NOFUSE, SKIP_PROFILE, SKIP_LONG,
+#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/ferrum-gpu-out}
@@ -88,6 +90,13 @@ PY
             FERRUM_FUSE=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
                 --runs 3 --json >"$OUT/bench-$m-nofuse.json" 2>>"$OUT/bench.log"
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no fusion: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nofuse.json" | tee -a "$S"
+        done
+    fi
+    if [ -z "${SKIP_PROFILE:-}" ]; then
+        say "== where a TP1 decode step's time goes (ferrum bench --kernel-profile; an event after every kernel)"
+        for m in ${PROFILE_MODELS:-smollm2-135m llama3-8b}; do
+            "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 64 \
+                --runs 1 --kernel-profile 2>>"$OUT/bench.log" | sed -n '/kernel profile/,$p' | head -16 | tee -a "$S"
         done
     fi
     if [ -z "${SKIP_LONG:-}" ]; then

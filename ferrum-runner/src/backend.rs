@@ -38,6 +38,14 @@ pub trait DecodeBackend {
     /// A one-line description for logs (`cpu f32`, `cuda:0 bf16`, …).
     fn describe(&self) -> String;
 
+    /// Feeds `token` like [`step`](Self::step), timing every kernel of the step: per kernel
+    /// launch in order, its name and GPU µs (see ferrum-cuda's
+    /// `CudaDecodeRunner::profile_decode_step`). `None` where there is nothing to profile (the
+    /// CPU, TP groups); the token is then not fed.
+    fn profile_step(&mut self, _token: u32) -> Result<Option<Vec<(&'static str, f64)>>> {
+        Ok(None)
+    }
+
     /// Whether [`decode_on_device`](Self::decode_on_device) works here (CUDA backends).
     fn has_device_decode(&self) -> bool {
         false

@@ -48,6 +48,40 @@ pub struct BenchArgs {
     /// Elements per all-reduce for --all-reduce (a decode step reduces `hidden` of them).
     #[arg(long, default_value_t = 4096)]
     hidden: usize,
+    /// After the timed runs, time every kernel of one decode step (at the middle of the
+    /// generation) and print where the step's time goes (one GPU only; the events serialise
+    /// the kernels, so the total exceeds a normal step).
+    #[arg(long)]
+    kernel_profile: bool,
+}
+
+/// One kernel's share of a profiled decode step.
+#[derive(Serialize, Debug)]
+struct KernelRow {
+    kernel: &'static str,
+    launches: usize,
+    total_us: f64,
+    share: f64,
+}
+
+/// Sums a step profile per kernel name, largest first.
+fn kernel_rows(p: &[(&'static str, f64)]) -> Vec<KernelRow> {
+    let total: f64 = p.iter().map(|x| x.1).sum();
+    let mut rows: Vec<KernelRow> = Vec::new();
+    for &(k, us) in p {
+        match rows.iter_mut().find(|r| r.kernel == k) {
+            Some(r) => {
+                r.launches += 1;
+                r.total_us += us;
+            }
+            None => rows.push(KernelRow { kernel: k, launches: 1, total_us: us, share: 0.0 }),
+        }
+    }
+    for r in &mut rows {
+        r.share = if total > 0.0 { r.total_us / total } else { 0.0 };
+    }
+    rows.sort_by(|a, b| b.total_us.total_cmp(&a.total_us));
+    rows
 }
 
 #[derive(Serialize, Debug)]
@@ -77,6 +111,9 @@ struct Report {
     /// Device loop with graphs: time to capture, instantiate and upload the step graph, ms
     /// (of the last run that captured, normally the warm-up run; on TP, rank 0's).
     capture_ms: Option<f64>,
+    /// `--kernel-profile`: GPU time per kernel of one profiled decode step, largest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kernel_profile: Option<Vec<KernelRow>>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -165,6 +202,19 @@ pub fn run(a: BenchArgs) -> Result<()> {
             step_ms.extend(steps);
         }
     }
+    let kernel_profile = if a.kernel_profile {
+        let logits = backend.prefill(&prompt, capacity)?;
+        let mut tok = argmax(&logits);
+        for _ in 0..a.gen_tokens / 2 {
+            tok = argmax(&backend.step(tok)?);
+        }
+        let p = backend
+            .profile_step(tok)?
+            .with_context(|| format!("--kernel-profile: nothing to profile on {}", backend.describe()))?;
+        Some(kernel_rows(&p))
+    } else {
+        None
+    };
     prefill_ms.sort_by(f64::total_cmp);
     step_ms.sort_by(f64::total_cmp);
     let med = percentile(&step_ms, 0.5);
@@ -198,6 +248,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         .to_string(),
         host_us_per_token: (replays > 0).then(|| enqueue_s / replays as f64 * 1e6),
         capture_ms,
+        kernel_profile,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -216,6 +267,20 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
         if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
             println!("copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it", f * 100.0);
+        }
+        if let Some(rows) = &r.kernel_profile {
+            let total: f64 = rows.iter().map(|r| r.total_us).sum();
+            println!("kernel profile        one decode step, {total:.1} µs with an event after every kernel:");
+            for k in rows {
+                println!(
+                    "  {:<34} {:>4} × {:>8.2} µs = {:>9.1} µs  {:>5.1}%",
+                    k.kernel,
+                    k.launches,
+                    k.total_us / k.launches as f64,
+                    k.total_us,
+                    k.share * 100.0
+                );
+            }
         }
     }
     Ok(())
@@ -276,4 +341,19 @@ fn file_cuda(
     let b = ferrum_runner::session::cuda_backend(&m, ordinal, opts, true)?;
     let bytes = ferrum_runner::cuda_backend::weight_bytes_per_token(&m.weights.config, opts);
     Ok((b, m.weights.config.clone(), bytes, path.display().to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kernel_rows_sum_per_kernel_largest_first() {
+        let p = [("gemv", 3.0), ("attn", 1.0), ("gemv", 5.0), ("(end)", 1.0)];
+        let rows = kernel_rows(&p);
+        let got: Vec<_> = rows.iter().map(|r| (r.kernel, r.launches, r.total_us)).collect();
+        assert_eq!(got, vec![("gemv", 2, 8.0), ("attn", 1, 1.0), ("(end)", 1, 1.0)]);
+        assert!((rows[0].share - 0.8).abs() < 1e-12);
+        assert!(kernel_rows(&[]).is_empty());
+    }
 }

@@ -265,6 +265,15 @@ impl DecodeBackend for CudaBackend {
         self.label.clone()
     }
 
+    fn profile_step(&mut self, token: u32) -> Result<Option<Vec<(&'static str, f64)>>> {
+        if !self.active {
+            return Err(Error::InvalidInput("step before prefill".into()));
+        }
+        let p = self.rank.runner().profile_decode_step(SEQ, token, self.pos).map_err(cuda_error)?;
+        self.pos += 1;
+        Ok(Some(p))
+    }
+
     fn has_device_decode(&self) -> bool {
         true
     }

@@ -9,9 +9,10 @@ use crate::spec::DType;
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::sys as cu;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
+use std::cell::RefCell;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -114,10 +115,13 @@ const MAX_ARGS: usize = 16;
 /// so they outlive the launch call. No allocation.
 pub(crate) struct Launch<'a> {
     func: &'a CudaFunction,
+    kernel: Kernel,
     stream: &'a CudaStream,
     args: [*mut std::ffi::c_void; MAX_ARGS],
     n: usize,
     pdl: bool,
+    /// When profiling ([`Kernels::marks`] is `Some`), an event is recorded after the launch.
+    marks: &'a RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
 }
 
 impl<'a> Launch<'a> {
@@ -165,7 +169,25 @@ impl<'a> Launch<'a> {
         // borrowed for 'a (alive), matching the kernel's parameters per this function's
         // contract; the function belongs to the stream's context (loaded in `Kernels::load`).
         unsafe { cu::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
-            .result()
+            .result()?;
+        self.mark()
+    }
+
+    /// Profiling only (cold): records an event after this launch.
+    #[cold]
+    fn mark_slow(&self, marks: &mut Vec<(Kernel, CudaEvent)>) -> Result<(), DriverError> {
+        let ev = self.stream.context().new_event(None)?;
+        ev.record(self.stream)?;
+        marks.push((self.kernel, ev));
+        Ok(())
+    }
+
+    #[inline]
+    fn mark(&self) -> Result<(), DriverError> {
+        match self.marks.borrow_mut().as_mut() {
+            None => Ok(()),
+            Some(marks) => self.mark_slow(marks),
+        }
     }
 }
 
@@ -186,6 +208,10 @@ pub(crate) struct Kernels {
     /// One-GPU decode steps fuse the residual adds and RMSNorms into the projections (gemv.cu's
     /// `_res` / `_norm` kernels; the same math, other f32 rounding).
     pub(crate) fuse_norms: bool,
+    /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
+    /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
+    /// one borrow check per launch).
+    pub(crate) marks: RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -285,6 +311,7 @@ impl Kernels {
             pdl,
             fuse_merge: fuse,
             fuse_norms: fuse,
+            marks: RefCell::new(None),
         })
     }
 
@@ -292,10 +319,12 @@ impl Kernels {
         // Kernel::ALL[i] == i-th variant and `funcs` was filled in that order.
         Launch {
             func: &self.funcs[k as usize],
+            kernel: k,
             stream: &self.stream,
             args: [std::ptr::null_mut(); MAX_ARGS],
             n: 0,
             pdl: self.pdl,
+            marks: &self.marks,
         }
     }
 

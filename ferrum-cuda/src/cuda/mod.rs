@@ -866,6 +866,36 @@ impl CudaDecodeRunner {
         Ok(&self.logits)
     }
 
+    /// Runs [`decode_step`](Self::decode_step) with a CUDA event recorded after every kernel
+    /// launch and returns, per launch in order, the kernel's name and the GPU time from the
+    /// previous event (the step's start for the first) to the end of that kernel, in µs; a
+    /// last entry `"(end)"` covers what follows the last kernel launch. Work between two of
+    /// ferrum's kernels (cuBLAS, the reducer's collectives, the step upload) is counted in the
+    /// next kernel's time. The events serialise the kernels (no programmatic overlap), so the
+    /// total is at least the normal step time: use it to see where a step's time goes, not to
+    /// time it.
+    pub fn profile_decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<Vec<(&'static str, f64)>> {
+        let ctx = self.ctx.clone();
+        let ev = |what: &'static str| ctx.new_event(None).map_err(Error::driver(what));
+        let start = ev("profile start event")?;
+        start.record(&self.k.stream).map_err(Error::driver("profile start event"))?;
+        *self.k.marks.borrow_mut() = Some(Vec::new());
+        let stepped = self.decode_step(seq, token, position).map(|_| ());
+        let marks = self.k.marks.borrow_mut().take().unwrap_or_default();
+        stepped?;
+        let end = ev("profile end event")?;
+        end.record(&self.k.stream).map_err(Error::driver("profile end event"))?;
+        end.synchronize().map_err(Error::driver("profile end event"))?;
+        let mut out = Vec::with_capacity(marks.len() + 1);
+        let mut prev = &start;
+        for (k, e) in &marks {
+            out.push((k.name(), f64::from(prev.elapsed_ms(e).map_err(Error::driver("profile event"))?) * 1e3));
+            prev = e;
+        }
+        out.push(("(end)", f64::from(prev.elapsed_ms(&end).map_err(Error::driver("profile event"))?) * 1e3));
+        Ok(out)
+    }
+
     /// The logits of the last step (prefill or decode) on the device.
     pub fn logits(&self) -> &DeviceLogits {
         &self.logits
