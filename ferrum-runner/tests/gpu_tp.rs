@@ -530,3 +530,30 @@ fn fusions_match_the_unfused_step() {
         assert_eq!(a, b, "{arch:?}: greedy tokens with and without fusion");
     }
 }
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernel_profile_names_every_launch_and_changes_nothing() {
+    init();
+    let cfg = config(Arch::Qwen3, false, 2);
+    let w = weights(&cfg, 71);
+    let p = prompt(50, cfg.vocab_size, 2);
+    let (mut a, mut b) = (tp1(&w), tp1(&w));
+    let t = argmax(&a.prefill(&p, 128).unwrap());
+    b.prefill(&p, 128).unwrap();
+    let want = a.step(t).unwrap();
+    let prof = b.profile_step(t).unwrap().expect("a CUDA backend profiles");
+    let mut got = Vec::new();
+    b.runner().logits_to_host(&mut got).unwrap();
+    assert_eq!(bits(&got), bits(&want), "profiling changed the step's logits");
+    // One entry per launch, then "(end)": per layer one RoPE and one attention kernel.
+    assert_eq!(prof.last().map(|x| x.0), Some("(end)"));
+    let count = |name: &str| prof.iter().filter(|(k, _)| *k == name).count();
+    assert_eq!(count("ferrum_rope_qkv_bf16"), cfg.num_layers, "{prof:?}");
+    assert_eq!(count("ferrum_attn_bf16"), cfg.num_layers, "{prof:?}");
+    assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");
+    assert!(prof.iter().map(|x| x.1).sum::<f64>() > 0.0);
+    // The next (unprofiled) step continues from the profiled one.
+    let next = argmax(&want);
+    assert_eq!(bits(&b.step(next).unwrap()), bits(&a.step(next).unwrap()));
+}
