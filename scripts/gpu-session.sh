@@ -76,22 +76,18 @@ print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']
 PY
     done
     done
-    if [ -z "${SKIP_NOPDL:-}" ]; then
-        say "== the same TP1 runs with FERRUM_PDL=0 (no programmatic dependent launch: compute_80 PTX)"
+    # The TP1 runs again with one environment switch: ab VAR=VALUE file-suffix label "title".
+    ab() {
+        say "== the same TP1 runs with $1 ($4)"
         for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
-            FERRUM_PDL=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
-                --runs 3 --json >"$OUT/bench-$m-nopdl.json" 2>>"$OUT/bench.log"
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no PDL: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nopdl.json" | tee -a "$S"
+            env "$1" "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+                --runs 3 --json >"$OUT/bench-$m-$2.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] {sys.argv[2]}: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" \
+                "$OUT/bench-$m-$2.json" "$3" | tee -a "$S"
         done
-    fi
-    if [ -z "${SKIP_NOFUSE:-}" ]; then
-        say "== the same TP1 runs with FERRUM_FUSE=0 (every decode fusion off: split-KV merge and norms)"
-        for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
-            FERRUM_FUSE=0 "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
-                --runs 3 --json >"$OUT/bench-$m-nofuse.json" 2>>"$OUT/bench.log"
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] no fusion: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" "$OUT/bench-$m-nofuse.json" | tee -a "$S"
-        done
-    fi
+    }
+    [ -z "${SKIP_NOPDL:-}" ] && ab FERRUM_PDL=0 nopdl "no PDL" "no programmatic dependent launch: compute_80 PTX"
+    [ -z "${SKIP_NOFUSE:-}" ] && ab FERRUM_FUSE=0 nofuse "no fusion" "every decode fusion off: split-KV merge and norms"
     if [ -z "${SKIP_PROFILE:-}" ]; then
         say "== where a TP1 decode step's time goes (ferrum bench --kernel-profile; an event after every kernel)"
         for m in ${PROFILE_MODELS:-smollm2-135m llama3-8b}; do
