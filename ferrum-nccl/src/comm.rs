@@ -243,6 +243,18 @@ unsafe impl Send for Shared {}
 unsafe impl Sync for Shared {}
 
 impl Shared {
+    /// A live communicator's shared state.
+    fn new(comm: sys::ncclComm_t, rank: usize, world_size: usize) -> Arc<Self> {
+        Arc::new(Shared {
+            comm,
+            state: Mutex::new(State::Live),
+            aborted: AtomicBool::new(false),
+            reason: OnceLock::new(),
+            rank,
+            world_size,
+        })
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // Nothing panics while holding the lock; if a caller's panic poisoned it anyway, the
         // state itself is still consistent.
@@ -402,17 +414,7 @@ impl NcclRank {
             .into_iter()
             .zip(ctxs)
             .enumerate()
-            .map(|(rank, (comm, ctx))| NcclRank {
-                shared: Arc::new(Shared {
-                    comm,
-                    state: Mutex::new(State::Live),
-                    aborted: AtomicBool::new(false),
-                    reason: OnceLock::new(),
-                    rank,
-                    world_size,
-                }),
-                ctx,
-            })
+            .map(|(rank, (comm, ctx))| NcclRank { shared: Shared::new(comm, rank, world_size), ctx })
             .collect())
     }
 
@@ -437,17 +439,7 @@ impl NcclRank {
             // SAFETY: no communicator was made; null asks for the last global error.
             return Err(unsafe { nccl_error("ncclCommInitRank", code, std::ptr::null_mut()) });
         }
-        Ok(NcclRank {
-            shared: Arc::new(Shared {
-                comm,
-                state: Mutex::new(State::Live),
-                aborted: AtomicBool::new(false),
-                reason: OnceLock::new(),
-                rank,
-                world_size,
-            }),
-            ctx: ctx.clone(),
-        })
+        Ok(NcclRank { shared: Shared::new(comm, rank, world_size), ctx: ctx.clone() })
     }
 
     /// [`init_rank`](Self::init_rank) with the id handed over by `rendezvous`: rank 0 makes the
