@@ -21,6 +21,12 @@ typedef __nv_bfloat16 bf16;
 // after all of this kernel's blocks were scheduled, so it cannot starve them. The wait is a
 // no-op when this kernel was launched without the attribute; the trigger only matters when the
 // next kernel was launched with it; the compute_80 build omits both.
+//
+// A kernel may read memory that no kernel ever writes (the weights) before it waits: the
+// GEMVs load their first weight chunks ahead of FERRUM_PDL_ENTRY() (see gemv.cu), so while the
+// previous kernel finishes, the next one's weight stream is already in flight. Weights are
+// written only by host copies and init kernels that complete (stream order plus a synchronize)
+// before any decode kernel is launched, so those early reads see final values.
 #if defined(FERRUM_PDL) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define FERRUM_PDL_ENTRY()                                                                         \
     do {                                                                                           \

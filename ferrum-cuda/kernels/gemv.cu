@@ -24,6 +24,39 @@ __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f
 // the runner may pick the fastest per shape without changing the output.
 // NORM / RES: the fusions above. Each lane accumulates ss over the same chunks in the same
 // order in every variant, so the variants stay bit-identical with them too.
+// One 16-byte chunk c of every row: acc[r] += W[r][8c..8c+8] . x[8c..8c+8] (times the norm
+// weight and with ss += x^2 for NORM). The same operations in the same order wherever it is
+// called, so the prefetched and the streamed chunks round alike.
+template <typename T, int ROWS, bool NORM>
+__device__ __forceinline__ void gemv_chunk(float (&acc)[ROWS], float &ss, const uint4 (&wv)[ROWS],
+                                           const float4 *x4, const T *norm_w, int c) {
+    const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
+    float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    if (NORM) {
+        // norm_w is a whole cols-element allocation: chunk c is 16-byte aligned.
+        float nf[8];
+        unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nf, T());
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            ss = fmaf(xf[j], xf[j], ss);
+            xf[j] *= nf[j];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        float wf[8];
+        unpack8(wv[r], wf, T());
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
+    }
+}
+
+// Chunks per lane loaded before the programmatic-launch wait: 8 16-byte loads per lane in
+// flight (32 registers) while the previous kernel finishes.
+template <int ROWS> struct GemvPrefetch {
+    static constexpr int CHUNKS = 8 / ROWS;
+};
+
 template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
                      float eps) {
@@ -31,7 +64,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int wg = blockIdx.x * nw + warp;
     const int o0 = wg * OUT;
-    if (o0 >= rows) return;
+    if (o0 >= rows) return;  // touches no memory: leaving before the wait is fine
     size_t row_idx[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -55,32 +88,31 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
         const uint4 *w4[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
+        // Lane l takes chunks l, l + 32, ...: the first PF of them are loaded now, before the
+        // wait (weights are never written by a kernel of the decode stream: common.cuh).
+        constexpr int PF = GemvPrefetch<ROWS>::CHUNKS;
+        uint4 pre[PF][ROWS];
+#pragma unroll
+        for (int u = 0; u < PF; ++u) {
+            const int c = lane + 32 * u;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) pre[u][r] = c < n8 ? __ldg(w4[r] + c) : make_uint4(0, 0, 0, 0);
+        }
+        FERRUM_PDL_ENTRY();  // x (and y for RES) come from earlier kernels
+#pragma unroll
+        for (int u = 0; u < PF; ++u) {
+            const int c = lane + 32 * u;
+            if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
+        }
 #pragma unroll 4
-        for (int c = lane; c < n8; c += 32) {
+        for (int c = lane + 32 * PF; c < n8; c += 32) {
             uint4 wv[ROWS];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(w4[r] + c);
-            const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
-            float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-            if (NORM) {
-                // norm_w is a whole cols-element allocation: chunk c is 16-byte aligned.
-                float nf[8];
-                unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nf, T());
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    ss = fmaf(xf[j], xf[j], ss);
-                    xf[j] *= nf[j];
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                float wf[8];
-                unpack8(wv[r], wf, T());
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
-            }
+            gemv_chunk<T, ROWS, NORM>(acc, ss, wv, x4, norm_w, c);
         }
     } else {
+        FERRUM_PDL_ENTRY();
         for (int c = lane; c < cols; c += 32) {
             float xv = x[c];
             if (NORM) {
@@ -113,65 +145,56 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 }
 
 // Every GEMV entry point has the same parameters; norm_w and eps are read by the _norm ones only.
+// gemv() itself runs FERRUM_PDL_ENTRY, after loading its first weight chunks.
 #define FERRUM_GEMV(S, T)                                                                          \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_##S(float *y, const T *W, const float *x, int rows, int cols,                  \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols,                 \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_gateup_##S(float *y, const T *W, const float *x, int rows, int cols,           \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols,          \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_norm_##S(float *y, const T *W, const float *x, int rows, int cols,             \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_norm_##S(float *y, const T *W, const float *x, int rows, int cols,            \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_gateup_norm_##S(float *y, const T *W, const float *x, int rows, int cols,      \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_gateup_norm_##S(float *y, const T *W, const float *x, int rows, int cols,     \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_res_##S(float *y, const T *W, const float *x, int rows, int cols,              \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 2, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_res_##S(float *y, const T *W, const float *x, int rows, int cols,             \
                           const T *norm_w, float eps) {                                            \
-        FERRUM_PDL_ENTRY();                                                                        \
         gemv<T, 4, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
     }
 

@@ -136,8 +136,9 @@ impl<'a> Launch<'a> {
     }
 
     /// Launches with `cuLaunchKernelEx` on the stream; with programmatic dependent launch
-    /// allowed when the kernels were built for it (the compute_90 PTX, whose kernels all start
-    /// with `griddepcontrol.wait`: see `FERRUM_PDL_ENTRY` in common.cuh).
+    /// allowed when the kernels were built for it (the compute_90 PTX, whose kernels all wait
+    /// with `griddepcontrol.wait` before touching memory an earlier kernel writes; the GEMVs
+    /// load their first weight chunks before it: see `FERRUM_PDL_ENTRY` in common.cuh).
     ///
     /// # Safety
     /// The arguments must match the kernel's parameter list in number, order and type, and

@@ -633,6 +633,9 @@ impl CudaDecodeRunner {
     }
 
     fn finish(spec: CudaModelSpec, ctx: Arc<CudaContext>, mut k: Kernels, w: Weights, sms: usize) -> Result<Self> {
+        // The GEMVs read weights before their programmatic-launch wait (common.cuh), so the
+        // kernels that generated synthetic weights must be complete before the first GEMV.
+        k.stream.synchronize().map_err(Error::driver("finishing the weights"))?;
         tune_gemv(&ctx, &mut k, &spec, &w)?;
         let stream = k.stream.clone();
         let mut inv_freq = alloc::<f32>(&ctx, &stream, spec.rope_inv_freq.len(), "RoPE table")?;
@@ -919,6 +922,8 @@ impl CudaDecodeRunner {
         let mut x = alloc::<f32>(&self.ctx, st, cols, "projection timing (x)")?;
         let y = alloc::<f32>(&self.ctx, st, rows, "projection timing (y)")?;
         self.k.init_uniform(whole(&w, st)?, rows, cols, cols, 0, 0, 1, 0.0, MATRIX_HALF_WIDTH)?;
+        // The GEMV reads W before its programmatic-launch wait: W must be final first.
+        st.synchronize().map_err(Error::driver("initialising the projection weights"))?;
         let mut r = 0x2545_f491_4f6c_dd1du64;
         let xs: Vec<f32> = (0..cols)
             .map(|_| {
