@@ -177,7 +177,8 @@ impl<'a> Launch<'a> {
     /// Profiling only (cold): records an event after this launch.
     #[cold]
     fn mark_slow(&self, marks: &mut Vec<(Kernel, CudaEvent)>) -> Result<(), DriverError> {
-        let ev = self.stream.context().new_event(None)?;
+        // Timing events (the default flags; `None` would disable timing).
+        let ev = self.stream.context().new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))?;
         ev.record(self.stream)?;
         marks.push((self.kernel, ev));
         Ok(())

@@ -879,7 +879,7 @@ impl CudaDecodeRunner {
     /// time it.
     pub fn profile_decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<Vec<(&'static str, f64)>> {
         let ctx = self.ctx.clone();
-        let ev = |what: &'static str| ctx.new_event(None).map_err(Error::driver(what));
+        let ev = |what: &'static str| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver(what));
         let start = ev("profile start event")?;
         start.record(&self.k.stream).map_err(Error::driver("profile start event"))?;
         *self.k.marks.borrow_mut() = Some(Vec::new());
