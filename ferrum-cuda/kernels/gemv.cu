@@ -51,6 +51,20 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[ROWS], float &ss, const 
     }
 }
 
+// A 16-byte load issued before the programmatic-launch wait. Two traps keep a plain __ldg
+// from doing that: the compiler may sink an invariant (.nc) load to its use, past the wait,
+// and ptxas (13.0) schedules griddepcontrol.wait (SASS ACQBULK) ahead of .nc loads even when
+// the PTX has them first; it keeps ordinary weak loads where they are. So this is an asm
+// volatile weak load (not allocated in L1: weights are streamed once). Checked in the SASS:
+// the LDG.E.NA.128 of the prefetch come before ACQBULK.
+__device__ __forceinline__ uint4 ldg_early(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 // Chunks per lane loaded before the programmatic-launch wait: 8 16-byte loads per lane in
 // flight (32 registers) while the previous kernel finishes.
 template <int ROWS> struct GemvPrefetch {
@@ -79,26 +93,28 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
     float ss = 0.0f;  // sum of x^2 (NORM only)
-    if ((cols & 7) == 0) {
-        // 16-byte path: W's rows are 16-byte aligned and x is 32-byte aligned because
-        // cols % 8 == 0 and buffers come from cuMemAlloc (256-byte aligned), every region
-        // starting at a multiple of cols elements.
-        const int n8 = cols >> 3;
+    // 16-byte path when cols % 8 == 0: W's rows are 16-byte aligned and x is 32-byte aligned
+    // because buffers come from cuMemAlloc (256-byte aligned), every region starting at a
+    // multiple of cols elements.
+    const bool vec = (cols & 7) == 0;
+    const int n8 = cols >> 3;
+    const uint4 *w4[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
+    // Lane l takes chunks l, l + 32, ...: the first PF of them are loaded now, before the wait
+    // (weights are never written by a kernel of the decode stream: common.cuh), with
+    // ldg_early so that they stay ahead of it.
+    constexpr int PF = GemvPrefetch<ROWS>::CHUNKS;
+    uint4 pre[PF][ROWS];
+#pragma unroll
+    for (int u = 0; u < PF; ++u) {
+        const int c = lane + 32 * u;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) pre[u][r] = vec && c < n8 ? ldg_early(w4[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+    FERRUM_PDL_ENTRY();  // x (and y for RES) come from earlier kernels
+    if (vec) {
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
-        const uint4 *w4[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
-        // Lane l takes chunks l, l + 32, ...: the first PF of them are loaded now, before the
-        // wait (weights are never written by a kernel of the decode stream: common.cuh).
-        constexpr int PF = GemvPrefetch<ROWS>::CHUNKS;
-        uint4 pre[PF][ROWS];
-#pragma unroll
-        for (int u = 0; u < PF; ++u) {
-            const int c = lane + 32 * u;
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) pre[u][r] = c < n8 ? __ldg(w4[r] + c) : make_uint4(0, 0, 0, 0);
-        }
-        FERRUM_PDL_ENTRY();  // x (and y for RES) come from earlier kernels
 #pragma unroll
         for (int u = 0; u < PF; ++u) {
             const int c = lane + 32 * u;
@@ -112,7 +128,6 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             gemv_chunk<T, ROWS, NORM>(acc, ss, wv, x4, norm_w, c);
         }
     } else {
-        FERRUM_PDL_ENTRY();
         for (int c = lane; c < cols; c += 32) {
             float xv = x[c];
             if (NORM) {
