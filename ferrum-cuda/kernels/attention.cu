@@ -114,25 +114,65 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 
 #define ATTN_MAX_WARPS 8
 #define ATTN_MAX_HD 256
+// Scores held in shared memory at a time; longer splits run tile after tile with the online
+// softmax rescale between tiles.
+#define ATTN_TILE 512
+// TPW * HD = 32 * 8 * CH / G <= 256 for every HD, so the value partials take at most
+// ATTN_MAX_WARPS * 256 floats.
+#define ATTN_SMEM_FLOATS (ATTN_MAX_HD + ATTN_TILE + 32 + ATTN_MAX_WARPS * 256)
+
+// How a warp covers cache rows of head_dim HD: each lane takes one 16-byte chunk (8 values)
+// of a row, G lanes (a power of two >= the HD / 8 chunks, the extra lanes idle) share one row,
+// so a warp walks TPW rows at once.
+template <int HD> struct AttnGeom {
+    static constexpr int CH = HD / 8;
+    static constexpr int G = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
+    static constexpr int TPW = 32 / G;
+};
+
+__device__ __forceinline__ float block_max(float v, float *sh) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = FERRUM_NEG_INF;
+    for (int w = 0; w < nw; ++w) v = fmaxf(v, sh[w]);
+    __syncthreads();
+    return v;
+}
 
 // grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
-// Query token `tok` sits at position pos_base[0] + tok and attends to cache
-// rows [0, pos]. Split s covers an equal share of those rows (the share is
-// computed from the length read on the device). With one split the normalised
-// output is written to `out` [n_tok][heads*hd]; otherwise the unnormalised
-// partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum),
-// and then either a separate attn_combine launch merges them (`counters` null)
-// or the last split block of each (token, head) does (see merge_splits).
+// Query token `tok` sits at position pos_base[0] + tok and attends to cache rows [0, pos].
+// Split s covers an equal share of those rows (the share is computed from the length read on
+// the device). With one split the normalised output is written to `out` [n_tok][heads*hd];
+// otherwise the unnormalised partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml
+// (max, sum), and then either a separate attn_combine launch merges them (`counters` null) or
+// the last split block of each (token, head) does (see merge_splits).
+//
+// The walk over rows is built for latency (batch-1 decode reads few rows per block): no loop
+// iteration waits on the previous one, so every load of a pass is in flight at once.
+// 1. scores: G lanes per row, a 16-byte load each, a dot with the scaled q, a G-lane
+//    butterfly; each row's score goes to shared memory (s_p);
+// 2. the tile's maximum and exp(score - max) over the block, the running (m, l) rescaled;
+// 3. values: the same lane layout, acc += p * v per lane (8 values), one partial per row slot
+//    (warp, row of the warp), summed over the slots in slot order at the end.
+// Every order is fixed by the launch shape, so results are deterministic.
 template <typename T, int HD>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
-                          float scale) {
-    constexpr int E = (HD + 31) / 32;  // elements per lane; lanes past HD/E idle when HD < 32
-    __shared__ float s_m[ATTN_MAX_WARPS], s_l[ATTN_MAX_WARPS];
-    __shared__ float s_acc[ATTN_MAX_WARPS][HD];
+                          float scale, float *smem) {
+    constexpr int CH = AttnGeom<HD>::CH, G = AttnGeom<HD>::G, TPW = AttnGeom<HD>::TPW;
+    // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the tile's scores, a reduction
+    // scratch, and the per-slot value partials [ATTN_MAX_WARPS * TPW][HD].
+    float *s_q = smem, *s_p = s_q + ATTN_MAX_HD, *s_red = s_p + ATTN_TILE;
+    float(*s_acc)[HD] = reinterpret_cast<float(*)[HD]>(s_red + 32);
     const int h = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int gl = lane % G, sub = lane / G;        // chunk of the row, row of the warp
+    const int slots = nw * TPW, slot = warp * TPW + sub;
+    const bool chunk_on = gl < CH;
     const uint32_t pos = pos_base[0] + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
     const int chunk = (len + n_splits - 1) / n_splits;
@@ -140,63 +180,87 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     const int end = min(start + chunk, len);
     const int kvh = h / (heads / kv_heads);
 
-    float qv[E], acc[E];
-    const bool lane_on = lane * E < HD;  // always true when HD is a multiple of 32
-    const float *qh = q + (size_t)tok * q_stride + h * HD + lane * E;
+    const float *qh = q + (size_t)tok * q_stride + h * HD;
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
+    __syncthreads();
+    float qv[8], acc[8];
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-        qv[e] = lane_on ? qh[e] * scale : 0.0f;
-        acc[e] = 0.0f;
+    for (int j = 0; j < 8; ++j) {
+        qv[j] = chunk_on ? s_q[gl * 8 + j] : 0.0f;
+        acc[j] = 0.0f;
     }
-    float m = FERRUM_NEG_INF, l = 0.0f;
-    const T *kb = k_cache + (size_t)kvh * capacity * HD + lane * E;
-    const T *vb = v_cache + (size_t)kvh * capacity * HD + lane * E;
-    for (int t = start + warp; t < end; t += nw) {
-        const T *kr = kb + (size_t)t * HD;
-        float s = 0.0f;
-        if (lane_on) {
+    float m = FERRUM_NEG_INF, l = 0.0f;  // block-uniform: they come from block reductions
+    // Chunk gl of row t starts at element t * HD + gl * 8: 16-byte aligned (HD % 8 == 0 and the
+    // cache is a cuMemAlloc allocation whose layer regions start at multiples of HD elements).
+    const uint4 *kb = reinterpret_cast<const uint4 *>(k_cache + (size_t)kvh * capacity * HD) + gl;
+    const uint4 *vb = reinterpret_cast<const uint4 *>(v_cache + (size_t)kvh * capacity * HD) + gl;
+    for (int t0 = start; t0 < end; t0 += ATTN_TILE) {
+        const int n = min(ATTN_TILE, end - t0);
+        // 1. Scores. The loop bound is warp-uniform (every lane reaches the shuffles).
+#pragma unroll 4
+        for (int ib = warp * TPW; ib < n; ib += slots) {
+            const int i = ib + sub;
+            float sc = 0.0f;
+            if (i < n && chunk_on) {
+                float kf[8];
+                unpack8(__ldg(kb + (size_t)(t0 + i) * CH), kf, T());
 #pragma unroll
-            for (int e = 0; e < E; ++e) s += qv[e] * to_f(kr[e]);
-        }
-        s = warp_sum(s);
-        const float mn = fmaxf(m, s);
-        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first row
-        const float p = expf(s - mn);
-        l = l * corr + p;
-        const T *vr = vb + (size_t)t * HD;
-        if (lane_on) {
+                for (int j = 0; j < 8; ++j) sc = fmaf(qv[j], kf[j], sc);
+            }
 #pragma unroll
-            for (int e = 0; e < E; ++e) acc[e] = acc[e] * corr + p * to_f(vr[e]);
+            for (int o = G / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+            if (i < n && gl == 0) s_p[i] = sc;
         }
+        __syncthreads();
+        // 2. Softmax bookkeeping over the tile.
+        float mt = FERRUM_NEG_INF;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) mt = fmaxf(mt, s_p[i]);
+        mt = block_max(mt, s_red);
+        const float mn = fmaxf(m, mt);
+        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first tile
+        float ls = 0.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) {
+            const float p = expf(s_p[i] - mn);
+            s_p[i] = p;
+            ls += p;
+        }
+        ls = block_sum(ls, s_red);  // its barriers also publish s_p
+        l = l * corr + ls;
         m = mn;
-    }
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_l[warp] = l;
-    }
-    if (lane_on) {
+        // 3. Values.
 #pragma unroll
-        for (int e = 0; e < E; ++e) s_acc[warp][lane * E + e] = acc[e];
+        for (int j = 0; j < 8; ++j) acc[j] *= corr;
+#pragma unroll 4
+        for (int ib = warp * TPW; ib < n; ib += slots) {
+            const int i = ib + sub;
+            if (i < n && chunk_on) {
+                const float p = s_p[i];
+                float vf[8];
+                unpack8(__ldg(vb + (size_t)(t0 + i) * CH), vf, T());
+#pragma unroll
+                for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
+            }
+        }
+        __syncthreads();  // s_p is rewritten by the next tile
+    }
+    if (chunk_on) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s_acc[slot][gl * 8 + j] = acc[j];
     }
     __syncthreads();
-    float M = FERRUM_NEG_INF;
-    for (int w = 0; w < nw; ++w) M = fmaxf(M, s_m[w]);
-    float L = 0.0f;
-    for (int w = 0; w < nw; ++w) L += (s_m[w] == FERRUM_NEG_INF) ? 0.0f : s_l[w] * expf(s_m[w] - M);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float A = 0.0f;
-        for (int w = 0; w < nw; ++w)
-            A += (s_m[w] == FERRUM_NEG_INF) ? 0.0f : s_acc[w][d] * expf(s_m[w] - M);
+        for (int sl = 0; sl < slots; ++sl) A += s_acc[sl][d];
         if (n_splits == 1) {
-            out[(size_t)tok * heads * HD + h * HD + d] = L > 0.0f ? A / L : 0.0f;
+            out[(size_t)tok * heads * HD + h * HD + d] = l > 0.0f ? A / l : 0.0f;
         } else {
             part_acc[(((size_t)tok * heads + h) * n_splits + split) * HD + d] = A;
         }
     }
     if (n_splits > 1 && threadIdx.x == 0) {
         float *ml = part_ml + (((size_t)tok * heads + h) * n_splits + split) * 2;
-        ml[0] = M;
-        ml[1] = L;
+        ml[0] = m;
+        ml[1] = l;
     }
     if (n_splits > 1 && counters != nullptr)
         merge_splits(out, part_acc, part_ml, counters + (size_t)tok * heads + h, heads, HD, n_splits);
@@ -207,30 +271,31 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
                      float *part_acc, float *part_ml, uint32_t *counters,
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
                      float scale) {
+    __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
     switch (hd) {
     case 16:
         attn_impl<T, 16>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale);
+                         kv_heads, capacity, scale, smem);
         break;
     case 32:
         attn_impl<T, 32>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale);
+                         kv_heads, capacity, scale, smem);
         break;
     case 64:
         attn_impl<T, 64>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale);
+                        kv_heads, capacity, scale, smem);
         break;
     case 96:
         attn_impl<T, 96>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale);
+                        kv_heads, capacity, scale, smem);
         break;
     case 128:
         attn_impl<T, 128>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale);
+                        kv_heads, capacity, scale, smem);
         break;
     case 256:
         attn_impl<T, 256>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale);
+                        kv_heads, capacity, scale, smem);
         break;
     default:
         break;  // the host only launches supported head dims
