@@ -65,10 +65,13 @@ __device__ __forceinline__ uint4 ldg_early(const uint4 *p) {
     return v;
 }
 
-// Chunks per lane loaded before the programmatic-launch wait: 8 16-byte loads per lane in
-// flight (32 registers) while the previous kernel finishes.
+// Chunks per lane loaded before the programmatic-launch wait, while the previous kernel
+// finishes: 8 16-byte loads per lane either way. The main loop keeps as many in flight (unrolled
+// 4 times with 2 rows, twice with 4: more makes ptxas spill, which `cargo xtask ptx --check`
+// refuses).
 template <int ROWS> struct GemvPrefetch {
     static constexpr int CHUNKS = 8 / ROWS;
+    static constexpr int UNROLL = 8 / ROWS;
 };
 
 template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false>
@@ -120,7 +123,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             const int c = lane + 32 * u;
             if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
         }
-#pragma unroll 4
+#pragma unroll (GemvPrefetch<ROWS>::UNROLL)
         for (int c = lane + 32 * PF; c < n8; c += 32) {
             uint4 wv[ROWS];
 #pragma unroll
