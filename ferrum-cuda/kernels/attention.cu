@@ -1,7 +1,8 @@
 // RoPE (HF Llama half-split) fused with the optional bias add (Qwen2), the
 // optional per-head q/k RMSNorm (Qwen3) and the append of K/V to the cache;
 // GQA attention over one sequence's cache (split over the KV length,
-// flash-decoding style) and the combine of the splits.
+// flash-decoding style) and the combine of the splits; and for one decode token
+// the attention with that RoPE work inside it (ferrum_attn_rope_*).
 //
 // Layouts: qkv rows are [q heads | k heads | v heads] x head_dim, one row per
 // token, in fp32 (as are the attention outputs); the cache is in the model dtype. A layer's cache is [kv_heads][capacity][head_dim]. Positions come
@@ -119,7 +120,7 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 #define ATTN_TILE 512
 // TPW * HD = 32 * 8 * CH / G <= 256 for every HD, so the value partials take at most
 // ATTN_MAX_WARPS * 256 floats.
-#define ATTN_SMEM_FLOATS (ATTN_MAX_HD + ATTN_TILE + 32 + ATTN_MAX_WARPS * 256)
+#define ATTN_SMEM_FLOATS (3 * ATTN_MAX_HD + ATTN_TILE + 32 + ATTN_MAX_WARPS * 256)
 
 // How a warp covers cache rows of head_dim HD: each lane takes one 16-byte chunk (8 values)
 // of a row, G lanes (a power of two >= the HD / 8 chunks, the extra lanes idle) share one row,
@@ -128,6 +129,14 @@ template <int HD> struct AttnGeom {
     static constexpr int CH = HD / 8;
     static constexpr int G = CH <= 2 ? 2 : CH <= 4 ? 4 : CH <= 8 ? 8 : CH <= 16 ? 16 : 32;
     static constexpr int TPW = 32 / G;
+};
+
+// What ferrum_attn_rope_* adds to the attention: rope_qkv's inputs and the cache to append to.
+template <typename T> struct RopeArgs {
+    const T *bias, *q_norm, *k_norm;  // each may be null
+    const float *inv_freq;
+    T *k_out, *v_out;                 // the caches (k_cache / v_cache), written at row pos
+    float eps;
 };
 
 __device__ __forceinline__ float block_max(float v, float *sh) {
@@ -140,6 +149,51 @@ __device__ __forceinline__ float block_max(float v, float *sh) {
     for (int w = 0; w < nw; ++w) v = fmaxf(v, sh[w]);
     __syncthreads();
     return v;
+}
+
+// The decode attention's own RoPE (ferrum_attn_rope_*): dst[0..HD) = the head at `off` of the
+// raw qkv row with the bias, the optional per-head RMSNorm `nw` and, when `rotate`, RoPE at
+// position pos, computed exactly as rope_qkv computes it (thread i < HD/2 takes the pair
+// (i, i + HD/2); the norm's sum runs through block_sum, whose extra warps add exact zeros), so
+// the fused and the separate kernels agree bit for bit. With `round` the values are rounded
+// to the cache dtype (as the separate kernel's cache write does). Called by every thread of
+// the block (blockDim.x >= HD/2, checked by the host); `dst` is read after a barrier.
+template <typename T, int HD>
+__device__ void rope_head(float *dst, const float *row, const T *bias, const T *nw, bool rotate,
+                          bool round, const float *inv_freq, uint32_t pos, int off, float eps,
+                          float *red) {
+    constexpr int HALF = HD / 2;
+    const int i = threadIdx.x;
+    const bool active = i < HALF;
+    float a = 0.0f, b = 0.0f;
+    if (active) {
+        a = row[off + i];
+        b = row[off + i + HALF];
+        if (bias != nullptr) {
+            a += to_f(bias[off + i]);
+            b += to_f(bias[off + i + HALF]);
+        }
+    }
+    if (nw != nullptr) {  // uniform over the block
+        const float ss = block_sum(a * a + b * b, red);
+        const float r = rsqrtf(ss / (float)HD + eps);
+        if (active) {
+            a = a * r * to_f(nw[i]);
+            b = b * r * to_f(nw[i + HALF]);
+        }
+    }
+    if (rotate && active) {
+        float sn, c;
+        sincosf((float)pos * inv_freq[i], &sn, &c);
+        const float na = a * c - b * sn;
+        const float nb = b * c + a * sn;
+        a = na;
+        b = nb;
+    }
+    if (active) {
+        dst[i] = round ? to_f(from_f<T>(a)) : a;
+        dst[i + HALF] = round ? to_f(from_f<T>(b)) : b;
+    }
 }
 
 // grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
@@ -158,15 +212,22 @@ __device__ __forceinline__ float block_max(float v, float *sh) {
 // 3. values: the same lane layout, acc += p * v per lane (8 values), one partial per row slot
 //    (warp, row of the warp), summed over the slots in slot order at the end.
 // Every order is fixed by the launch shape, so results are deterministic.
-template <typename T, int HD>
+//
+// ROPE (ferrum_attn_rope_*, one decode token): `q` is the raw qkv row and this kernel also does
+// rope_qkv's work. Every block computes its head's q; the block whose split holds the new row
+// (position pos) computes that row's K and V and uses them from shared memory, never from the
+// cache, and the first query head of each KV group writes them to the cache for later steps.
+// No block of the launch reads cache row pos, so that write races with nothing.
+template <typename T, int HD, bool ROPE>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
-                          float scale, float *smem) {
+                          float scale, float *smem, const RopeArgs<T> &rope) {
     constexpr int CH = AttnGeom<HD>::CH, G = AttnGeom<HD>::G, TPW = AttnGeom<HD>::TPW;
     // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the tile's scores, a reduction
     // scratch, and the per-slot value partials [ATTN_MAX_WARPS * TPW][HD].
-    float *s_q = smem, *s_p = s_q + ATTN_MAX_HD, *s_red = s_p + ATTN_TILE;
+    float *s_q = smem, *s_k = s_q + ATTN_MAX_HD, *s_v = s_k + ATTN_MAX_HD;
+    float *s_p = s_v + ATTN_MAX_HD, *s_red = s_p + ATTN_TILE;
     float(*s_acc)[HD] = reinterpret_cast<float(*)[HD]>(s_red + 32);
     const int h = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -181,7 +242,31 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     const int kvh = h / (heads / kv_heads);
 
     const float *qh = q + (size_t)tok * q_stride + h * HD;
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
+    // The new row (ROPE only): its position when this split holds it, else -1.
+    int new_row = -1;
+    if (ROPE) {
+        rope_head<T, HD>(s_q, q + (size_t)tok * q_stride, rope.bias, rope.q_norm, true, false,
+                         rope.inv_freq, pos, h * HD, rope.eps, s_red);
+        if ((int)pos >= start && (int)pos < end) {  // pos < len <= capacity
+            new_row = (int)pos;
+            const float *row = q + (size_t)tok * q_stride;
+            rope_head<T, HD>(s_k, row, rope.bias, rope.k_norm, true, true, rope.inv_freq, pos,
+                             (heads + kvh) * HD, rope.eps, s_red);
+            rope_head<T, HD>(s_v, row, rope.bias, nullptr, false, true, rope.inv_freq, pos,
+                             (heads + kv_heads + kvh) * HD, rope.eps, s_red);
+        }
+        __syncthreads();
+        if (new_row >= 0 && h % (heads / kv_heads) == 0) {
+            const size_t at = ((size_t)kvh * capacity + pos) * HD;
+            for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+                rope.k_out[at + d] = from_f<T>(s_k[d]);  // exact: s_k is already rounded
+                rope.v_out[at + d] = from_f<T>(s_v[d]);
+            }
+        }
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] *= scale;
+    } else {
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
+    }
     __syncthreads();
     float qv[8], acc[8];
 #pragma unroll
@@ -203,7 +288,12 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
             float sc = 0.0f;
             if (i < n && chunk_on) {
                 float kf[8];
-                unpack8(__ldg(kb + (size_t)(t0 + i) * CH), kf, T());
+                if (ROPE && t0 + i == new_row) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) kf[j] = s_k[gl * 8 + j];
+                } else {
+                    unpack8(__ldg(kb + (size_t)(t0 + i) * CH), kf, T());
+                }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) sc = fmaf(qv[j], kf[j], sc);
             }
@@ -236,7 +326,12 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
             if (i < n && chunk_on) {
                 const float p = s_p[i];
                 float vf[8];
-                unpack8(__ldg(vb + (size_t)(t0 + i) * CH), vf, T());
+                if (ROPE && t0 + i == new_row) {
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
+                } else {
+                    unpack8(__ldg(vb + (size_t)(t0 + i) * CH), vf, T());
+                }
 #pragma unroll
                 for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
             }
@@ -266,36 +361,36 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         merge_splits(out, part_acc, part_ml, counters + (size_t)tok * heads + h, heads, HD, n_splits);
 }
 
-template <typename T>
+template <typename T, bool ROPE>
 __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
                      float *part_acc, float *part_ml, uint32_t *counters,
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
-                     float scale) {
+                     float scale, const RopeArgs<T> &rope) {
     __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
     switch (hd) {
     case 16:
-        attn_impl<T, 16>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem);
+        attn_impl<T, 16, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                         kv_heads, capacity, scale, smem, rope);
         break;
     case 32:
-        attn_impl<T, 32>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem);
+        attn_impl<T, 32, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                         kv_heads, capacity, scale, smem, rope);
         break;
     case 64:
-        attn_impl<T, 64>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem);
+        attn_impl<T, 64, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, rope);
         break;
     case 96:
-        attn_impl<T, 96>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem);
+        attn_impl<T, 96, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, rope);
         break;
     case 128:
-        attn_impl<T, 128>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem);
+        attn_impl<T, 128, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, rope);
         break;
     case 256:
-        attn_impl<T, 256>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem);
+        attn_impl<T, 256, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, rope);
         break;
     default:
         break;  // the host only launches supported head dims
@@ -322,8 +417,19 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         float *part_acc, float *part_ml, uint32_t *counters, const uint32_t *pos_base,             \
         int heads, int kv_heads, int hd, int capacity, float scale) {                              \
         FERRUM_PDL_ENTRY();                                                                        \
-        attn<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base,         \
-                heads, kv_heads, hd, capacity, scale);                                             \
+        const RopeArgs<T> none = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f};     \
+        attn<T, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base,  \
+                       heads, kv_heads, hd, capacity, scale, none);                                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) ferrum_attn_rope_##S(                        \
+        const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
+        float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
+        int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
+        const float *inv_freq, float eps) {                                                        \
+        FERRUM_PDL_ENTRY();                                                                        \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        attn<T, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, \
+                      heads, kv_heads, hd, capacity, scale, rope);                                 \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \

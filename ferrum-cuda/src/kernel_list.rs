@@ -51,6 +51,9 @@ kernels! {
     /// GQA attention of fp32 queries over the cache (split-KV), fp32 output.
     AttnF16 => "ferrum_attn_f16" in "attention",
     AttnBf16 => "ferrum_attn_bf16" in "attention",
+    /// Decode attention (one token) with rope_qkv's work inside it (the "rope" fusion).
+    AttnRopeF16 => "ferrum_attn_rope_f16" in "attention",
+    AttnRopeBf16 => "ferrum_attn_rope_bf16" in "attention",
     /// Combine of the split-KV partials.
     AttnCombineF16 => "ferrum_attn_combine_f16" in "attention",
     AttnCombineBf16 => "ferrum_attn_combine_bf16" in "attention",

@@ -34,8 +34,8 @@ pub mod ptx {
 pub use error::{Error, Result};
 pub use kernel_list::{Kernel, KERNEL_MODULES, KERNEL_NAMES, PTX_MODULES};
 pub use spec::{
-    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, HostData, HostLayer, HostTensor, HostWeights,
-    Projection, ShardRange, SUPPORTED_HEAD_DIMS,
+    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostData, HostLayer, HostTensor,
+    HostWeights, Projection, ShardRange, SUPPORTED_HEAD_DIMS,
 };
 
 #[cfg(feature = "cuda")]

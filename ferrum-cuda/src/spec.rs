@@ -389,3 +389,26 @@ mod sampling_tests {
         }
     }
 }
+
+/// Which decode-step fusions a CUDA runner uses. All are on by default; `FERRUM_FUSE=0` turns
+/// them all off at start-up. For tests and A/B benchmarks
+/// (`CudaDecodeRunner::set_fusion`).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fusion {
+    /// The attention kernel's last split block merges the split-KV partials (else a combine
+    /// kernel does; bit-identical either way).
+    pub split_merge: bool,
+    /// Residual adds and RMSNorms inside the projections (one GPU, hidden <= 2048 only: the
+    /// same math with other f32 rounding).
+    pub norms: bool,
+    /// RoPE and the K/V append inside the decode attention kernel (bit-identical).
+    pub rope: bool,
+}
+
+impl Fusion {
+    /// Every fusion on (the default).
+    pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true };
+    /// Every fusion off (`FERRUM_FUSE=0`).
+    pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false };
+}

@@ -11,6 +11,7 @@ use ferrum_runner::sampling::argmax;
 use std::time::{Duration, Instant};
 
 use candle_core::DType;
+use ferrum_cuda::Fusion;
 use ferrum_runner::backend::{DecodeBackend, DeviceSampling};
 use ferrum_runner::config::{Arch, ModelConfig};
 use ferrum_runner::cuda_backend::{build_runner, CudaBackend};
@@ -489,27 +490,34 @@ fn fusions_match_the_unfused_step() {
         let cfg = config(arch, false, 2);
         let w = weights(&cfg, 61);
         let long = prompt(300, cfg.vocab_size, 4);
-        let run = |p: &[u32], merge: bool, norms: bool| {
+        let run = |p: &[u32], f: Fusion| {
             let mut b = tp1(&w);
-            b.runner().set_fusion(merge, norms);
+            b.runner().set_fusion(f);
             host_logits(&mut b, p, 24, 1024)
         };
+        let only = |split_merge, rope| Fusion { split_merge, norms: false, rope };
         for p in [&long[..], &long[..20]] {
-            let plain = run(p, false, false);
-            let merged = run(p, true, false);
+            let plain = run(p, Fusion::NONE);
+            let merged = run(p, only(true, false));
             for (i, (a, b)) in merged.iter().zip(&plain).enumerate() {
                 assert_eq!(bits(a), bits(b), "{arch:?} prompt {}: fused split merge changed step {i}", p.len());
             }
+            // RoPE and the K/V append inside the attention kernel: bit-identical too (the
+            // appended rows feed every later step, so 24 steps check the cache writes).
+            let roped = run(p, only(true, true));
+            for (i, (a, b)) in roped.iter().zip(&plain).enumerate() {
+                assert_eq!(bits(a), bits(b), "{arch:?} prompt {}: fused RoPE changed step {i}", p.len());
+            }
         }
-        let plain = run(&long, false, false);
-        let all = run(&long, true, true);
+        let plain = run(&long, Fusion::NONE);
+        let all = run(&long, Fusion::ALL);
         // Step 0 is the prefill (never fused); decode steps follow.
         let worst = all[1..].iter().zip(&plain[1..]).map(|(a, b)| rel_err(a, b)).fold(0.0, f64::max);
         println!("{arch:?}: split merge bit-identical; fused norms vs unfused worst rel err {worst:.2e}");
         assert!(worst <= 1e-3, "{arch:?}: fused norms: {worst:.3e}");
         // Graphed device-fed steps with every fusion on vs the eager host-fed ones, bit for bit.
         let mut g = tp1(&w);
-        g.runner().set_fusion(true, true);
+        g.runner().set_fusion(Fusion::ALL);
         let l = g.prefill(&long, 1024).unwrap();
         g.rank().device_begin(0, argmax(&l), long.len()).unwrap();
         for i in 0..24 {
@@ -522,9 +530,9 @@ fn fusions_match_the_unfused_step() {
         // Peaked logits: the greedy tokens must not depend on the fusion.
         let pw = peaked(weights(&cfg, 62), 30.0);
         let mut on = tp1(&pw);
-        on.runner().set_fusion(true, true);
+        on.runner().set_fusion(Fusion::ALL);
         let mut off = tp1(&pw);
-        off.runner().set_fusion(false, false);
+        off.runner().set_fusion(Fusion::NONE);
         let a = device_tokens(&mut on, &long[..100], 32, 1024, DeviceSampling::Greedy);
         let b = device_tokens(&mut off, &long[..100], 32, 1024, DeviceSampling::Greedy);
         assert_eq!(a, b, "{arch:?}: greedy tokens with and without fusion");
@@ -539,6 +547,8 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     let w = weights(&cfg, 71);
     let p = prompt(50, cfg.vocab_size, 2);
     let (mut a, mut b) = (tp1(&w), tp1(&w));
+    a.runner().set_fusion(Fusion::ALL);
+    b.runner().set_fusion(Fusion::ALL);
     let t = argmax(&a.prefill(&p, 128).unwrap());
     b.prefill(&p, 128).unwrap();
     let want = a.step(t).unwrap();
@@ -546,11 +556,12 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     let mut got = Vec::new();
     b.runner().logits_to_host(&mut got).unwrap();
     assert_eq!(bits(&got), bits(&want), "profiling changed the step's logits");
-    // One entry per launch, then "(end)": per layer one RoPE and one attention kernel.
+    // One entry per launch, then "(end)": per layer one attention kernel, which does RoPE
+    // itself (every fusion on).
     assert_eq!(prof.last().map(|x| x.0), Some("(end)"));
     let count = |name: &str| prof.iter().filter(|(k, _)| *k == name).count();
-    assert_eq!(count("ferrum_rope_qkv_bf16"), cfg.num_layers, "{prof:?}");
-    assert_eq!(count("ferrum_attn_bf16"), cfg.num_layers, "{prof:?}");
+    assert_eq!(count("ferrum_rope_qkv_bf16"), 0, "{prof:?}");
+    assert_eq!(count("ferrum_attn_rope_bf16"), cfg.num_layers, "{prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");
     assert!(prof.iter().map(|x| x.1).sum::<f64>() > 0.0);
     // The next (unprofiled) step continues from the profiled one.

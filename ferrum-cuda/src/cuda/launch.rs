@@ -193,6 +193,17 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// What the decode attention needs to do RoPE itself ([`Kernels::attn`] with `rope`): the
+/// inputs of [`Kernels::rope_qkv`] (null regions for the optional bias and norms).
+#[derive(Clone, Copy)]
+pub(crate) struct AttnRope<'a> {
+    pub bias: Region<'a, u16>,
+    pub q_norm: Region<'a, u16>,
+    pub k_norm: Region<'a, u16>,
+    pub inv_freq: Region<'a, f32>,
+    pub eps: f32,
+}
+
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
     funcs: Vec<CudaFunction>,
@@ -210,6 +221,9 @@ pub(crate) struct Kernels {
     /// One-GPU decode steps fuse the residual adds and RMSNorms into the projections (gemv.cu's
     /// `_res` / `_norm` kernels; the same math, other f32 rounding).
     pub(crate) fuse_norms: bool,
+    /// Decode steps (one token) do RoPE and the K/V append inside the attention kernel
+    /// (`ferrum_attn_rope_*`; bit-identical to the separate rope kernel).
+    pub(crate) fuse_rope: bool,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
@@ -313,6 +327,7 @@ impl Kernels {
             pdl,
             fuse_merge: fuse,
             fuse_norms: fuse,
+            fuse_rope: fuse,
             marks: RefCell::new(None),
         })
     }
@@ -456,10 +471,13 @@ impl Kernels {
     /// Attention of `n_tok` query rows (row stride `q_stride`) over one layer's cache. With
     /// `n_splits == 1` writes `out` directly; else writes partials, which the last split block
     /// of each (token, head) merges into `out` when `counters` is not null, and
-    /// [`Self::attn_combine`] otherwise.
+    /// [`Self::attn_combine`] otherwise. With `rope` (one decode token only) `q` is the raw qkv
+    /// row and the kernel also does [`Self::rope_qkv`]'s work, appending the new K/V row to the
+    /// caches (`ferrum_attn_rope_*`, bit-identical to the two launches).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
+        rope: Option<AttnRope<'_>>,
         q: Region<'_, f32>,
         q_stride: usize,
         k_cache: Region<'_, u16>,
@@ -503,6 +521,27 @@ impl Kernels {
             )
         };
         let ppos = pos.need(1, "attn pos")?;
+        let rope_args = match &rope {
+            None => None,
+            Some(r) => {
+                // The fused kernel reads the whole raw row (q, k and v heads), one token, and
+                // one thread per rotation pair.
+                let row = (heads + 2 * kv_heads) * head_dim;
+                if n_tok != 1 || q_stride != row || (warps as usize) * 32 < head_dim / 2 {
+                    return Err(Error::Internal(format!(
+                        "attn with rope: {n_tok} tokens, stride {q_stride} (row {row}), {warps} warps"
+                    )));
+                }
+                q.need(row, "attn rope qkv")?;
+                Some((
+                    r.bias.opt(row, "attn rope bias")?,
+                    r.q_norm.opt(head_dim, "attn rope q_norm")?,
+                    r.k_norm.opt(head_dim, "attn rope k_norm")?,
+                    r.inv_freq.need(head_dim / 2, "attn rope inv_freq")?,
+                    r.eps,
+                ))
+            }
+        };
         let qs = i32_of(q_stride, "q_stride")?;
         let (h, kvh, hd, cap) = (
             i32_of(heads, "heads")?,
@@ -511,9 +550,16 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
-        let mut b = self.builder(pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16));
+        let kernel = match rope_args {
+            None => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
+            Some(_) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+        };
+        let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
+        if let Some((bias, qn, kn, freq, eps)) = &rope_args {
+            b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
+        }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
@@ -522,7 +568,11 @@ impl Kernels {
         // the last block of (t, h) reads those partials and writes out[t][h*hd .. +hd); all
         // extents checked above; the unused outputs are null and never touched; signature
         // (const f32*, int, const T*, const T*, f32*, f32*, f32*, u32*, const u32*, int x4,
-        // float) matches.
+        // float) matches. With rope (one token, q the whole raw row, checked above) the kernel
+        // also reads bias over one row and the norms over head_dim when non-null, inv_freq over
+        // head_dim/2, and the block holding position pos < capacity (the kernel checks)
+        // writes cache row [kvh][pos][0..hd) in both caches; the extra parameters
+        // (const T* x3, const f32*, float) follow in that order.
         unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
         Ok(())
     }

@@ -3,13 +3,14 @@ mod launch;
 
 use crate::error::{Error, Result};
 use crate::spec::{
-    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, HostTensor, HostWeights, Projection, ShardRange,
+    CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
+    ShardRange,
 };
 use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use launch::{region, whole, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
+use launch::{region, whole, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -1142,15 +1143,14 @@ impl CudaDecodeRunner {
         }
     }
 
-    /// Turns the decode-step fusions on or off (default on; `FERRUM_FUSE=0` turns both off at
-    /// start-up): `split_merge` (bit-identical either way) and `norms` (residual adds and
-    /// RMSNorms inside the projections, one GPU only: the same math with other f32 rounding).
-    /// For tests and A/B benchmarks. A captured step depends on them (its [`DeviceStepKey`]
-    /// changes).
+    /// Turns the decode-step fusions on or off (see [`Fusion`]; default all on, `FERRUM_FUSE=0`
+    /// turns all off at start-up). For tests and A/B benchmarks. A captured step depends on
+    /// them (its [`DeviceStepKey`] changes).
     #[doc(hidden)]
-    pub fn set_fusion(&mut self, split_merge: bool, norms: bool) {
-        self.k.fuse_merge = split_merge;
-        self.k.fuse_norms = norms;
+    pub fn set_fusion(&mut self, f: Fusion) {
+        self.k.fuse_merge = f.split_merge;
+        self.k.fuse_norms = f.norms;
+        self.k.fuse_rope = f.rope;
         self.generation += 1;
     }
 
@@ -1345,26 +1345,38 @@ fn forward(
         }
         let kc = region(&seq.k, st, li * layer_len, layer_len)?;
         let vc = region(&seq.v, st, li * layer_len, layer_len)?;
-        k.rope_qkv(
-            region(&a.qkv, st, 0, n * qkv_dim)?,
-            opt(&lw.bqkv, st)?,
-            opt(&lw.q_norm, st)?,
-            opt(&lw.k_norm, st)?,
-            kc,
-            vc,
-            whole(inv_freq, st)?,
-            pos,
-            n,
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            seq.capacity,
+        // One decode token: the attention kernel does RoPE and the K/V append itself.
+        let rope = AttnRope {
+            bias: opt(&lw.bqkv, st)?,
+            q_norm: opt(&lw.q_norm, st)?,
+            k_norm: opt(&lw.k_norm, st)?,
+            inv_freq: whole(inv_freq, st)?,
             eps,
-        )?;
+        };
+        let fused_rope = k.fuse_rope && decode && n == 1;
+        if !fused_rope {
+            k.rope_qkv(
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                rope.bias,
+                rope.q_norm,
+                rope.k_norm,
+                kc,
+                vc,
+                rope.inv_freq,
+                pos,
+                n,
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+                seq.capacity,
+                eps,
+            )?;
+        }
         // Several splits (decode only, one token): the attention kernel's last split block
         // merges them, unless fusion is off (then a combine kernel does).
         let fused_merge = k.fuse_merge && splits > 1 && n == 1;
         k.attn(
+            fused_rope.then_some(rope),
             region(&a.qkv, st, 0, n * qkv_dim)?,
             qkv_dim,
             kc,
