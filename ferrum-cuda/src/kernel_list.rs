@@ -1,6 +1,10 @@
 // The kernels the Rust side launches, by name. This file has no dependencies:
 // `cargo xtask ptx --check` `include!`s it to verify that every name is in the PTX.
 
+/// The most parameters a kernel may take: the launcher's argument array has this many slots
+/// (`cargo xtask ptx --check` counts every listed kernel's parameters in the PTX).
+pub const MAX_KERNEL_ARGS: usize = 24;
+
 macro_rules! kernels {
     ($($(#[$m:meta])* $variant:ident => $name:literal in $module:literal,)*) => {
         /// A kernel in the embedded PTX; [`Kernel::name`] is its `extern "C"` symbol.

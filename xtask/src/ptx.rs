@@ -238,6 +238,29 @@ fn ptxas(nvcc: &Nvcc, ptx: &Path, sm: &str) -> Result<BTreeMap<String, Usage>> {
     Ok(out)
 }
 
+/// `(entry name, parameter count)` of every `.entry` in a PTX text: the `.param` lines between
+/// `.visible .entry NAME(` and the closing `)`.
+fn entry_param_counts(ptx: &str) -> Vec<(String, usize)> {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    let mut open = false;
+    for line in ptx.lines() {
+        let t = line.trim_start();
+        if let Some(rest) = t.strip_prefix(".visible .entry ") {
+            out.push((rest.split('(').next().unwrap_or("").trim().to_string(), 0));
+            open = !rest.trim_end().ends_with("()");
+        } else if open {
+            if t.starts_with(".param") {
+                if let Some(last) = out.last_mut() {
+                    last.1 += 1;
+                }
+            } else if t.starts_with(')') {
+                open = false;
+            }
+        }
+    }
+    out
+}
+
 pub fn run(a: PtxArgs) -> Result<()> {
     let root = workspace_root();
     let nvcc = find_nvcc()?;
@@ -320,6 +343,18 @@ pub fn run(a: PtxArgs) -> Result<()> {
             failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the PTX (compute_80 or 90)"));
         }
     }
+    // Every kernel fits the launcher's argument array (a launch past it fails at run time).
+    for name in srcs.keys() {
+        let text = fs::read_to_string(ptx_dir.join(format!("{name}.ptx"))).unwrap_or_default();
+        for (kernel, n) in entry_param_counts(&text) {
+            if n > kernel_list::MAX_KERNEL_ARGS {
+                failures.push(format!(
+                    "kernel {kernel} takes {n} parameters, more than MAX_KERNEL_ARGS = {}",
+                    kernel_list::MAX_KERNEL_ARGS
+                ));
+            }
+        }
+    }
 
     // 3. ptxas resources for sm_80 and sm_90.
     let mut table: BTreeMap<String, [Usage; 2]> = BTreeMap::new();
@@ -367,5 +402,16 @@ pub fn run(a: PtxArgs) -> Result<()> {
             eprintln!("ptx check: {f}");
         }
         bail!("ptx check failed ({} problems)", failures.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::entry_param_counts;
+
+    #[test]
+    fn counts_the_parameters_of_each_entry() {
+        let ptx = ".visible .entry a(\n\t.param .u64 a_param_0,\n\t.param .u32 a_param_1\n)\n{\n\tld.param.u64 %rd1, [a_param_0];\n}\n.visible .entry b()\n{\n}\n.visible .entry c(\n\t.param .f32 c_param_0\n)\n";
+        assert_eq!(entry_param_counts(ptx), vec![("a".to_string(), 2), ("b".to_string(), 0), ("c".to_string(), 1)]);
     }
 }

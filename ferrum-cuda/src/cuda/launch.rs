@@ -107,8 +107,8 @@ pub(crate) struct Feed<'a> {
     pub(crate) capacity: usize,
 }
 
-/// Most arguments of a ferrum kernel.
-const MAX_ARGS: usize = 16;
+/// Most arguments of a ferrum kernel (checked against the PTX by `cargo xtask ptx --check`).
+const MAX_ARGS: usize = crate::kernel_list::MAX_KERNEL_ARGS;
 
 /// One kernel launch being assembled (cudarc's `LaunchArgs`, plus programmatic dependent launch):
 /// the function, the stream, and pointers to the argument values, which are borrowed for `'a`
