@@ -390,8 +390,8 @@ mod sampling_tests {
     }
 }
 
-/// Which decode-step fusions a CUDA runner uses. All are on by default; `FERRUM_FUSE=0` turns
-/// them all off at start-up. For tests and A/B benchmarks
+/// Which decode-step fusions a CUDA runner uses. All are on by default; `FERRUM_FUSE` picks
+/// them at start-up ([`Fusion::parse`]). For tests and A/B benchmarks
 /// (`CudaDecodeRunner::set_fusion`).
 #[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -411,4 +411,40 @@ impl Fusion {
     pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true };
     /// Every fusion off (`FERRUM_FUSE=0`).
     pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false };
+
+    /// Reads a `FERRUM_FUSE` value: `0` (none), `1` or empty (all), or a comma-separated list
+    /// of `merge`, `norms`, `rope` (exactly those on). `None` for anything else.
+    pub fn parse(v: &str) -> Option<Fusion> {
+        match v.trim() {
+            "0" => return Some(Fusion::NONE),
+            "1" | "" => return Some(Fusion::ALL),
+            _ => {}
+        }
+        let mut f = Fusion::NONE;
+        for name in v.split(',').map(str::trim) {
+            match name {
+                "merge" => f.split_merge = true,
+                "norms" => f.norms = true,
+                "rope" => f.rope = true,
+                _ => return None,
+            }
+        }
+        Some(f)
+    }
+}
+
+#[cfg(test)]
+mod fusion_tests {
+    use super::Fusion;
+
+    #[test]
+    fn fusion_parses_ferrum_fuse_values() {
+        assert_eq!(Fusion::parse("0"), Some(Fusion::NONE));
+        assert_eq!(Fusion::parse("1"), Some(Fusion::ALL));
+        assert_eq!(Fusion::parse(" "), Some(Fusion::ALL));
+        assert_eq!(Fusion::parse("merge, norms"), Some(Fusion { split_merge: true, norms: true, rope: false }));
+        assert_eq!(Fusion::parse("rope"), Some(Fusion { split_merge: false, norms: false, rope: true }));
+        assert_eq!(Fusion::parse("merge,typo"), None);
+        assert_eq!(Fusion::parse("yes"), None);
+    }
 }

@@ -5,7 +5,7 @@ use super::DevBuf;
 use crate::error::{Error, Result};
 use crate::kernel_list::Kernel;
 use crate::ptx;
-use crate::spec::DType;
+use crate::spec::{DType, Fusion};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::sys as cu;
 use cudarc::driver::{
@@ -314,9 +314,16 @@ impl Kernels {
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
-        // `FERRUM_FUSE=0`: every fusion off (for A/B measurements).
-        let fuse = std::env::var("FERRUM_FUSE").map_or(true, |v| v.trim() != "0");
-        tracing::debug!(pdl, fuse, "kernels loaded");
+        // `FERRUM_FUSE` picks the decode fusions (for A/B measurements; see `Fusion::parse`).
+        let fusion = match std::env::var("FERRUM_FUSE") {
+            Err(_) => Fusion::ALL,
+            Ok(v) => Fusion::parse(&v).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope"
+                ))
+            })?,
+        };
+        tracing::debug!(pdl, ?fusion, "kernels loaded");
         Ok(Kernels {
             funcs,
             _modules: modules,
@@ -325,9 +332,9 @@ impl Kernels {
             dtype,
             gemv_table: GemvTable::new(),
             pdl,
-            fuse_merge: fuse,
-            fuse_norms: fuse,
-            fuse_rope: fuse,
+            fuse_merge: fusion.split_merge,
+            fuse_norms: fusion.norms,
+            fuse_rope: fusion.rope,
             marks: RefCell::new(None),
         })
     }
