@@ -87,7 +87,7 @@ PY
         done
     }
     [ -z "${SKIP_NOPDL:-}" ] && ab FERRUM_PDL=0 nopdl "no PDL" "no programmatic dependent launch: compute_80 PTX"
-    [ -z "${SKIP_NOFUSE:-}" ] && ab FERRUM_FUSE=0 nofuse "no fusion" "every decode fusion off: split-KV merge and norms"
+    [ -z "${SKIP_NOFUSE:-}" ] && ab FERRUM_FUSE=0 nofuse "no fusion" "every decode fusion off: split-KV merge, norms, RoPE in the attention"
     if [ -z "${SKIP_PROFILE:-}" ]; then
         say "== where a TP1 decode step's time goes (ferrum bench --kernel-profile; an event after every kernel)"
         for m in ${PROFILE_MODELS:-smollm2-135m llama3-8b}; do
