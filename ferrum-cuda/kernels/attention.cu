@@ -93,7 +93,7 @@ __device__ __forceinline__ void merge_into(float *out, const float *part_acc, co
 // separate combine launch is needed (the "last block" pattern of CUDA's threadFenceReduction
 // sample). Why the last block sees every partial: each thread fences its partial writes
 // (__threadfence: visible device-wide before anything it does later), the block synchronises,
-// then thread 0 takes a ticket with atomicAdd; a block that draws ticket n_splits - 1 knows
+// then thread 0 takes a ticket with atomicInc; a block that draws ticket n_splits - 1 knows
 // every other block took its ticket after fencing its writes, and it reads them through L2
 // (__ldcg, never a stale L1 line). atomicInc wraps the counter from n_splits - 1 back to 0 with
 // that last ticket, so it is 0 again for the next launch with no separate store. Called by

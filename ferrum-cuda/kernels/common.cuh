@@ -11,8 +11,9 @@ typedef __nv_bfloat16 bf16;
 #define FERRUM_NEG_INF (-__int_as_float(0x7f800000))
 
 // Programmatic dependent launch (the compute_90 build, -DFERRUM_PDL; the runner launches with
-// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION). Every kernel starts with this, before
-// it touches global memory: griddepcontrol.wait returns once the previous kernel in the stream
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION). Every kernel runs this before it
+// touches global memory that an earlier kernel may write (the GEMVs read weights first: see
+// below): griddepcontrol.wait returns once the previous kernel in the stream
 // has completed and its writes are visible, so neither a read-after-write nor a
 // write-after-read hazard with it is possible (and by induction with any earlier kernel); then
 // griddepcontrol.launch_dependents lets the next kernel's blocks launch while this one runs

@@ -32,7 +32,7 @@ pub mod ptx {
 }
 
 pub use error::{Error, Result};
-pub use kernel_list::{Kernel, KERNEL_MODULES, KERNEL_NAMES, PTX_MODULES};
+pub use kernel_list::{Kernel, KERNEL_MODULES, KERNEL_NAMES, MAX_KERNEL_ARGS, PTX_MODULES};
 pub use spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostData, HostLayer, HostTensor,
     HostWeights, Projection, ShardRange, SUPPORTED_HEAD_DIMS,

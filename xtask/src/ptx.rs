@@ -343,15 +343,25 @@ pub fn run(a: PtxArgs) -> Result<()> {
             failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the PTX (compute_80 or 90)"));
         }
     }
-    // Every kernel fits the launcher's argument array (a launch past it fails at run time).
-    for name in srcs.keys() {
-        let text = fs::read_to_string(ptx_dir.join(format!("{name}.ptx"))).unwrap_or_default();
-        for (kernel, n) in entry_param_counts(&text) {
-            if n > kernel_list::MAX_KERNEL_ARGS {
-                failures.push(format!(
-                    "kernel {kernel} takes {n} parameters, more than MAX_KERNEL_ARGS = {}",
-                    kernel_list::MAX_KERNEL_ARGS
-                ));
+    // Every kernel fits the launcher's argument array (a launch past it fails at run time),
+    // in every target's PTX.
+    for (sub, _, _) in TARGETS {
+        for name in srcs.keys() {
+            let path = ptx_dir.join(sub).join(format!("{name}.ptx"));
+            let text = match fs::read_to_string(&path) {
+                Ok(t) => t,
+                Err(e) => {
+                    failures.push(format!("{}: {e}", path.display()));
+                    continue;
+                }
+            };
+            for (kernel, n) in entry_param_counts(&text) {
+                if n > kernel_list::MAX_KERNEL_ARGS {
+                    failures.push(format!(
+                        "kernel {kernel} ({sub:?} PTX) takes {n} parameters, more than MAX_KERNEL_ARGS = {}",
+                        kernel_list::MAX_KERNEL_ARGS
+                    ));
+                }
             }
         }
     }

@@ -577,9 +577,11 @@ impl Kernels {
         // (const f32*, int, const T*, const T*, f32*, f32*, f32*, u32*, const u32*, int x4,
         // float) matches. With rope (one token, q the whole raw row, checked above) the kernel
         // also reads bias over one row and the norms over head_dim when non-null, inv_freq over
-        // head_dim/2, and the block holding position pos < capacity (the kernel checks)
-        // writes cache row [kvh][pos][0..hd) in both caches; the extra parameters
-        // (const T* x3, const f32*, float) follow in that order.
+        // head_dim/2, and for each KV head one block (the first query head of the group, in
+        // the split holding position pos < capacity; the kernel checks) writes cache row
+        // [kvh][pos][0..hd) in both caches, a row no block of the launch reads; there the
+        // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
+        // follow in that order.
         unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
@@ -610,6 +612,8 @@ impl Kernels {
     }
 
     /// `y = W x` (batch 1) with ferrum's GEMV: W (`rows x cols`) in the dtype, x and y fp32.
+    /// W must be complete before the launch and never written by a later kernel: the GEMVs
+    /// read it before their programmatic-launch wait (gemv.cu, `ldg_early`).
     pub(crate) fn gemv(
         &self,
         y: Region<'_, f32>,
@@ -660,7 +664,11 @@ impl Kernels {
         // norm weight are 16-byte aligned and x is 32-byte aligned (it is read as float4
         // pairs), because allocations are 256-byte aligned and every region passed here starts
         // at a whole matrix or vector or at an activation row, i.e. at a multiple of cols
-        // elements.
+        // elements. W is read before the kernel's programmatic-launch wait (gemv.cu), so it
+        // must be complete before this launch and written by no later kernel: every weight is
+        // a host upload (synchronised per chunk) or an init kernel followed by a stream
+        // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
+        // never write weights.
         unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
@@ -712,7 +720,7 @@ impl Kernels {
         // (the `_norm` kernels also the dtype norm weight over cols; null and unread
         // otherwise), and writes the f32 h[i] for i < inter; extents checked above; signature
         // (f32*, const T*, const f32*, int, int, const T*, float) matches; alignment as for
-        // `gemv_io`.
+        // `gemv_io`; W complete before the launch, as there (read before the wait).
         unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
