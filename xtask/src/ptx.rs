@@ -319,33 +319,10 @@ pub fn run(a: PtxArgs) -> Result<()> {
     }
     let ptx_dir = ptx_root.clone();
 
-    // 2. Kernel names used by the Rust side.
-    let mut entries = std::collections::BTreeSet::new();
-    for name in srcs.keys() {
-        let text = fs::read_to_string(ptx_dir.join(format!("{name}.ptx"))).unwrap_or_default();
-        for line in text.lines() {
-            if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
-                entries.insert(rest.split('(').next().unwrap_or("").trim().to_string());
-            }
-        }
-    }
-    let mut entries90 = std::collections::BTreeSet::new();
-    for name in srcs.keys() {
-        let text = fs::read_to_string(ptx_dir.join("sm90").join(format!("{name}.ptx"))).unwrap_or_default();
-        for line in text.lines() {
-            if let Some(rest) = line.trim_start().strip_prefix(".visible .entry ") {
-                entries90.insert(rest.split('(').next().unwrap_or("").trim().to_string());
-            }
-        }
-    }
-    for k in kernel_list::KERNEL_NAMES {
-        if !entries.contains(*k) || !entries90.contains(*k) {
-            failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the PTX (compute_80 or 90)"));
-        }
-    }
-    // Every kernel fits the launcher's argument array (a launch past it fails at run time),
-    // in every target's PTX.
-    for (sub, _, _) in TARGETS {
+    // 2. Per target: every kernel the Rust side names is present, and every kernel fits the
+    //    launcher's argument array (a launch past it fails at run time).
+    for (sub, arch, _) in TARGETS {
+        let mut entries = std::collections::BTreeSet::new();
         for name in srcs.keys() {
             let path = ptx_dir.join(sub).join(format!("{name}.ptx"));
             let text = match fs::read_to_string(&path) {
@@ -358,10 +335,16 @@ pub fn run(a: PtxArgs) -> Result<()> {
             for (kernel, n) in entry_param_counts(&text) {
                 if n > kernel_list::MAX_KERNEL_ARGS {
                     failures.push(format!(
-                        "kernel {kernel} ({sub:?} PTX) takes {n} parameters, more than MAX_KERNEL_ARGS = {}",
+                        "kernel {kernel} ({arch} PTX) takes {n} parameters, more than MAX_KERNEL_ARGS = {}",
                         kernel_list::MAX_KERNEL_ARGS
                     ));
                 }
+                entries.insert(kernel);
+            }
+        }
+        for k in kernel_list::KERNEL_NAMES {
+            if !entries.contains(*k) {
+                failures.push(format!("kernel {k} (ferrum-cuda's Kernel enum) is missing from the {arch} PTX"));
             }
         }
     }
