@@ -1154,6 +1154,21 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Sets how many KV splits `seq`'s decode attention uses (normally chosen from the capacity
+    /// by [`init_sequence`](Self::init_sequence)), `1..=MAX_SPLITS`. For tests that need long
+    /// splits (several 512-row tiles in one block) without a huge cache. A captured step
+    /// depends on it (its [`DeviceStepKey`] holds the split count).
+    #[doc(hidden)]
+    pub fn set_attention_splits(&mut self, seq: u64, n: usize) -> Result<()> {
+        if n == 0 || n > MAX_SPLITS {
+            return Err(Error::InvalidArgument(format!("{n} attention splits (1..={MAX_SPLITS})")));
+        }
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.n_splits = n;
+        self.generation += 1;
+        Ok(())
+    }
+
     /// Fault injection for failure tests: enqueues a kernel launch that CUDA rejects (a block of
     /// 2048 threads) and returns the driver's genuine error. Nothing is written.
     #[doc(hidden)]
