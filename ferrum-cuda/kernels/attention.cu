@@ -10,6 +10,39 @@
 // depend on the position (CUDA graphs can replay it).
 #include "common.cuh"
 
+// RoPE's per-pair math, shared by rope_qkv and the fused attention (rope_head) so that the two
+// agree bit for bit by construction: thread i < half holds the pair (a, b) = (x[i], x[i + half])
+// of one head (zeros for the other threads); adds the bias (when non-null), applies the head's
+// RMSNorm with weight nw (when non-null: the sum of squares runs through block_sum, so every
+// thread of the block must call this, and threads without a pair add exact zeros), then rotates
+// by pos * inv_freq[i] (when `rotate`).
+template <typename T>
+__device__ __forceinline__ void rope_pair(float &a, float &b, bool active, int i, int half,
+                                          int hd, const T *bias, int off, const T *nw,
+                                          bool rotate, const float *inv_freq, uint32_t pos,
+                                          float eps, float *red) {
+    if (active && bias != nullptr) {
+        a += to_f(bias[off + i]);
+        b += to_f(bias[off + i + half]);
+    }
+    if (nw != nullptr) {  // uniform over the block
+        const float ss = block_sum(a * a + b * b, red);
+        const float r = rsqrtf(ss / (float)hd + eps);
+        if (active) {
+            a = a * r * to_f(nw[i]);
+            b = b * r * to_f(nw[i + half]);
+        }
+    }
+    if (rotate && active) {
+        float sn, c;
+        sincosf((float)pos * inv_freq[i], &sn, &c);
+        const float na = a * c - b * sn;
+        const float nb = b * c + a * sn;
+        a = na;
+        b = nb;
+    }
+}
+
 // grid (heads + 2*kv_heads, n_tok); block: round_up(head_dim/2, 32) threads.
 template <typename T>
 __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_norm, T *k_cache,
@@ -26,31 +59,10 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
     if (active) {
         a = row[off + i];
         b = row[off + i + half_d];
-        if (bias != nullptr) {
-            a += to_f(bias[off + i]);
-            b += to_f(bias[off + i + half_d]);
-        }
     }
     const bool is_q = h < heads, is_v = h >= heads + kv_heads;
-    if (!is_v) {
-        const T *nw = is_q ? q_norm : k_norm;
-        if (nw != nullptr) {  // uniform over the block: every thread reaches block_sum
-            const float ss = block_sum(a * a + b * b, sh);
-            const float r = rsqrtf(ss / (float)hd + eps);
-            if (active) {
-                a = a * r * to_f(nw[i]);
-                b = b * r * to_f(nw[i + half_d]);
-            }
-        }
-        if (active) {
-            float s, c;
-            sincosf((float)pos * inv_freq[i], &s, &c);
-            const float na = a * c - b * s;
-            const float nb = b * c + a * s;
-            a = na;
-            b = nb;
-        }
-    }
+    rope_pair<T>(a, b, active, i, half_d, hd, bias, off, is_v ? nullptr : (is_q ? q_norm : k_norm),
+                 !is_v, inv_freq, pos, eps, sh);
     if (is_q) {  // q stays fp32 (in place); only K/V are rounded, into the cache
         if (active) {
             row[off + i] = a;
@@ -153,7 +165,7 @@ __device__ __forceinline__ float block_max(float v, float *sh) {
 
 // The decode attention's own RoPE (ferrum_attn_rope_*): dst[0..HD) = the head at `off` of the
 // raw qkv row with the bias, the optional per-head RMSNorm `nw` and, when `rotate`, RoPE at
-// position pos, computed exactly as rope_qkv computes it (thread i < HD/2 takes the pair
+// position pos, through the same rope_pair as rope_qkv (thread i < HD/2 takes the pair
 // (i, i + HD/2); the norm's sum runs through block_sum, whose extra warps add exact zeros), so
 // the fused and the separate kernels agree bit for bit. With `round` the values are rounded
 // to the cache dtype (as the separate kernel's cache write does). Called by every thread of
@@ -169,27 +181,8 @@ __device__ void rope_head(float *dst, const float *row, const T *bias, const T *
     if (active) {
         a = row[off + i];
         b = row[off + i + HALF];
-        if (bias != nullptr) {
-            a += to_f(bias[off + i]);
-            b += to_f(bias[off + i + HALF]);
-        }
     }
-    if (nw != nullptr) {  // uniform over the block
-        const float ss = block_sum(a * a + b * b, red);
-        const float r = rsqrtf(ss / (float)HD + eps);
-        if (active) {
-            a = a * r * to_f(nw[i]);
-            b = b * r * to_f(nw[i + HALF]);
-        }
-    }
-    if (rotate && active) {
-        float sn, c;
-        sincosf((float)pos * inv_freq[i], &sn, &c);
-        const float na = a * c - b * sn;
-        const float nb = b * c + a * sn;
-        a = na;
-        b = nb;
-    }
+    rope_pair<T>(a, b, active, i, HALF, HD, bias, off, nw, rotate, inv_freq, pos, eps, red);
     if (active) {
         dst[i] = round ? to_f(from_f<T>(a)) : a;
         dst[i + HALF] = round ? to_f(from_f<T>(b)) : b;
