@@ -204,6 +204,13 @@ pub(crate) struct AttnRope<'a> {
     pub eps: f32,
 }
 
+/// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs,
+/// unless `FERRUM_FUSED_NORMS_MAX_HIDDEN` says otherwise. Measured on an H200 (bf16, `ferrum
+/// bench`, fused vs `FERRUM_FUSE=0`, session 9, before the GEMVs loaded weights ahead of the
+/// programmatic-launch wait): hidden 576 (135M) +15%, 2048 (1B) +5%, 4096 (8B) −10%, so
+/// wider models keep the separate add + RMSNorm kernels.
+pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
+
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
     funcs: Vec<CudaFunction>,
@@ -224,6 +231,12 @@ pub(crate) struct Kernels {
     /// Decode steps (one token) do RoPE and the K/V append inside the attention kernel
     /// (`ferrum_attn_rope_*`; bit-identical to the separate rope kernel).
     pub(crate) fuse_rope: bool,
+    /// The widest hidden size whose one-GPU decode fuses the norms into the GEMVs
+    /// ([`FUSED_NORMS_MAX_HIDDEN`], or `FERRUM_FUSED_NORMS_MAX_HIDDEN`).
+    pub(crate) norms_max_hidden: usize,
+    /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
+    /// the capacity).
+    pub(crate) attn_splits: Option<usize>,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
@@ -323,7 +336,20 @@ impl Kernels {
                 ))
             })?,
         };
-        tracing::debug!(pdl, ?fusion, "kernels loaded");
+        // Measurement knobs (A/B runs; documented in the crate README): the widest hidden size
+        // whose decode fuses the norms, and a fixed KV split count for every sequence.
+        let knob = |name: &str, lo: usize, hi: usize| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => match v.trim().parse::<usize>() {
+                    Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
+                    _ => Err(Error::InvalidArgument(format!("{name}={v:?}: expected a number in {lo}..={hi}"))),
+                },
+            }
+        };
+        let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
+        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, super::MAX_SPLITS)?;
+        tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, "kernels loaded");
         Ok(Kernels {
             funcs,
             _modules: modules,
@@ -335,6 +361,8 @@ impl Kernels {
             fuse_merge: fusion.split_merge,
             fuse_norms: fusion.norms,
             fuse_rope: fusion.rope,
+            norms_max_hidden,
+            attn_splits,
             marks: RefCell::new(None),
         })
     }

@@ -738,6 +738,7 @@ impl CudaDecodeRunner {
         // contexts need many more warps in flight than two blocks per SM give.
         let wide = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64));
         let n_splits = wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS);
+        let n_splits = self.k.attn_splits.unwrap_or(n_splits);
         self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
     }
@@ -1282,12 +1283,6 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
     }
 }
 
-/// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs.
-/// Measured on an H200 (bf16, `ferrum bench`, fused vs `FERRUM_FUSE=0`): hidden 576 (135M)
-/// +15%, 2048 (1B) +5%, 4096 (8B) −10% (not yet understood: a profile of the `_norm` GEMVs at
-/// that width is the next step), so wider models keep the separate add + RMSNorm kernels.
-const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
-
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1318,9 +1313,9 @@ fn forward(
     // projections (gemv.cu's `_res` and `_norm` kernels), so a layer is qkv, rope, attention,
     // o (+= x), gate|up (of norm(x)), down (+= x). Otherwise (prefill, cuBLAS, TP, whose
     // all-reduce sits between a projection and its residual add) the norms run on their own.
-    // Only up to FUSED_NORMS_MAX_HIDDEN: measured faster at hidden 576 and 2048, slower at 4096.
+    // Only up to k.norms_max_hidden (launch::FUSED_NORMS_MAX_HIDDEN by default).
     let fused_norms =
-        k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= FUSED_NORMS_MAX_HIDDEN;
+        k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= k.norms_max_hidden;
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
     if !fused_norms {
         k.rmsnorm(
