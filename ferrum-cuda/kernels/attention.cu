@@ -11,33 +11,42 @@
 #include "common.cuh"
 
 // RoPE's per-pair math, shared by rope_qkv and the fused attention (rope_head) so that the two
-// agree bit for bit by construction: thread i < half holds the pair (a, b) = (x[i], x[i + half])
-// of one head (zeros for the other threads); adds the bias (when non-null), applies the head's
-// RMSNorm with weight nw (when non-null: the sum of squares runs through block_sum, so every
-// thread of the block must call this, and threads without a pair add exact zeros), then rotates
-// by pos * inv_freq[i] (when `rotate`).
+// agree bit for bit: thread i < half holds the pair (a, b) = (x[i], x[i + half]) of one head
+// (zeros for the other threads); adds the bias (when non-null), applies the head's RMSNorm with
+// weight nw (when non-null: the sum of squares runs through block_sum, so every thread of the
+// block must call this, and threads without a pair add exact zeros), then rotates by
+// pos * inv_freq[i] (when `rotate`). Sharing the source is not enough: inlined into two
+// kernels, the compiler may contract a * c - b * sn into an FMA in one and not the other
+// (seen on the GPU). So every step is an explicitly rounded intrinsic (__fmul_rn, __fadd_rn,
+// __fsub_rn, __fmaf_rn), which nvcc never contracts or reorders.
 template <typename T>
 __device__ __forceinline__ void rope_pair(float &a, float &b, bool active, int i, int half,
                                           int hd, const T *bias, int off, const T *nw,
                                           bool rotate, const float *inv_freq, uint32_t pos,
                                           float eps, float *red) {
     if (active && bias != nullptr) {
-        a += to_f(bias[off + i]);
-        b += to_f(bias[off + i + half]);
+        a = __fadd_rn(a, to_f(bias[off + i]));
+        b = __fadd_rn(b, to_f(bias[off + i + half]));
     }
     if (nw != nullptr) {  // uniform over the block
-        const float ss = block_sum(a * a + b * b, red);
-        const float r = rsqrtf(ss / (float)hd + eps);
+        const float ss = block_sum(__fmaf_rn(a, a, __fmul_rn(b, b)), red);
+        const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)hd), eps));
         if (active) {
-            a = a * r * to_f(nw[i]);
-            b = b * r * to_f(nw[i + half]);
+            a = __fmul_rn(__fmul_rn(a, r), to_f(nw[i]));
+            b = __fmul_rn(__fmul_rn(b, r), to_f(nw[i + half]));
         }
     }
     if (rotate && active) {
-        float sn, c;
-        sincosf((float)pos * inv_freq[i], &sn, &c);
-        const float na = a * c - b * sn;
-        const float nb = b * c + a * sn;
+        // The angle in f32 (as HF computes it); its sine and cosine through sincospi in f64,
+        // whose argument reduction is exact (no Payne-Hanek path with its local array, which
+        // sincosf needs for angles past 105615 and which cost a stack frame here), then rounded
+        // to f32: at least as accurate as sincosf, at any position.
+        const float theta = __fmul_rn((float)pos, inv_freq[i]);
+        double sd, cd;
+        sincospi(__dmul_rn((double)theta, 0.318309886183790671537767526745), &sd, &cd);  // 1/pi
+        const float sn = (float)sd, c = (float)cd;
+        const float na = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
+        const float nb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
         a = na;
         b = nb;
     }
@@ -163,31 +172,51 @@ __device__ __forceinline__ float block_max(float v, float *sh) {
     return v;
 }
 
-// The decode attention's own RoPE (ferrum_attn_rope_*): dst[0..HD) = the head at `off` of the
-// raw qkv row with the bias, the optional per-head RMSNorm `nw` and, when `rotate`, RoPE at
-// position pos, through the same rope_pair as rope_qkv (thread i < HD/2 takes the pair
-// (i, i + HD/2); the norm's sum runs through block_sum, whose extra warps add exact zeros), so
-// the fused and the separate kernels agree bit for bit. With `round` the values are rounded
-// to the cache dtype (as the separate kernel's cache write does). Called by every thread of
-// the block (blockDim.x >= HD/2, checked by the host); `dst` is read after a barrier.
+// The decode attention's own RoPE (ferrum_attn_rope_*): dst[0..HD) = the head whose raw pair
+// (a, b) = (x[i], x[i + HD/2]) thread i < HD/2 holds (loaded by the caller, so the loads of q, k
+// and v are in flight together), with the bias at `off`, the optional per-head RMSNorm `nw`
+// and, when `rotate`, RoPE at position pos, through the same rope_pair as rope_qkv (the
+// norm's sum runs through block_sum, whose extra warps add exact zeros), so the fused and
+// the separate kernels agree bit for bit. With `round` the values are rounded to the cache
+// dtype (as the separate kernel's cache write does). Called by every thread of the block
+// (blockDim.x >= HD/2, checked by the host); `dst` is read after a barrier.
 template <typename T, int HD>
-__device__ void rope_head(float *dst, const float *row, const T *bias, const T *nw, bool rotate,
+__device__ void rope_head(float *dst, float a, float b, const T *bias, const T *nw, bool rotate,
                           bool round, const float *inv_freq, uint32_t pos, int off, float eps,
                           float *red) {
     constexpr int HALF = HD / 2;
     const int i = threadIdx.x;
     const bool active = i < HALF;
-    float a = 0.0f, b = 0.0f;
-    if (active) {
-        a = row[off + i];
-        b = row[off + i + HALF];
-    }
     rope_pair<T>(a, b, active, i, HALF, HD, bias, off, nw, rotate, inv_freq, pos, eps, red);
     if (active) {
         dst[i] = round ? to_f(from_f<T>(a)) : a;
         dst[i + HALF] = round ? to_f(from_f<T>(b)) : b;
     }
 }
+
+// Copies issued before the programmatic-launch wait (ferrum_attn_rope_* only). The position is
+// a weak L2 load (.cg: never a stale L1 line); cache rows go straight to shared memory with
+// cp.async (.cg, 16 bytes), so they hold no registers while the previous kernel finishes. Both
+// are asm volatile, so that neither the compiler nor ptxas moves them past the wait (see
+// ldg_early in gemv.cu for why a plain __ldg would be).
+__device__ __forceinline__ uint32_t ld_early(const uint32_t *p) {
+    uint32_t v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ void cp_early16(uint4 *dst_smem, const uint4 *src) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst_smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+// Waits for this thread's own cp.async copies (each thread reads back only what it copied).
+__device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Cache rows per row slot that ferrum_attn_rope_* copies to shared memory before the wait (K
+// and V: 2 * 16 * ATTN_EARLY_ROWS bytes per thread, 32 KiB for 8 warps). A split whose rows
+// fit (ATTN_EARLY_ROWS x the block's slots; the host picks 4 or 8 warps for that) has every
+// cache load in flight before the previous kernel ends; longer splits stream the rest after
+// the wait.
+#define ATTN_EARLY_ROWS 4
 
 // grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
 // Query token `tok` sits at position pos_base[0] + tok and attends to cache rows [0, pos].
@@ -211,11 +240,18 @@ __device__ void rope_head(float *dst, const float *row, const T *bias, const T *
 // (position pos) computes that row's K and V and uses them from shared memory, never from the
 // cache, and the first query head of each KV group writes them to the cache for later steps.
 // No block of the launch reads cache row pos, so that write races with nothing.
+// ROPE also loads the position and up to ATTN_EARLY_ROWS cache rows per slot (K and V) before
+// the programmatic-launch wait, while the QKV projection finishes. Why that is safe: every
+// decode kernel waits (griddepcontrol.wait) before it lets its dependent launch, so when this
+// grid starts, every kernel before the one it depends on has completed and its writes are
+// visible. Its only dependency (the QKV projection) writes neither the position (the previous
+// step's argmax, or a host copy, wrote it) nor the cache (rows below pos were written by
+// earlier attention launches, row pos is never read here), and the loads go through L2.
 template <typename T, int HD, bool ROPE>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
-                          float scale, float *smem, const RopeArgs<T> &rope) {
+                          float scale, float *smem, uint4 *s_early, const RopeArgs<T> &rope) {
     constexpr int CH = AttnGeom<HD>::CH, G = AttnGeom<HD>::G, TPW = AttnGeom<HD>::TPW;
     // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the tile's scores, a reduction
     // scratch, and the per-slot value partials [ATTN_MAX_WARPS * TPW][HD].
@@ -227,26 +263,66 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     const int gl = lane % G, sub = lane / G;        // chunk of the row, row of the warp
     const int slots = nw * TPW, slot = warp * TPW + sub;
     const bool chunk_on = gl < CH;
-    const uint32_t pos = pos_base[0] + (uint32_t)tok;
+    if (!ROPE) FERRUM_PDL_ENTRY();  // the position and the cache may come from the last kernel
+    const uint32_t pos = (ROPE ? ld_early(pos_base) : pos_base[0]) + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
     const int chunk = (len + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
     const int kvh = h / (heads / kv_heads);
+    // Chunk gl of row t starts at element t * HD + gl * 8: 16-byte aligned (HD % 8 == 0 and the
+    // cache is a cuMemAlloc allocation whose layer regions start at multiples of HD elements).
+    const uint4 *kb = reinterpret_cast<const uint4 *>(k_cache + (size_t)kvh * capacity * HD) + gl;
+    const uint4 *vb = reinterpret_cast<const uint4 *>(v_cache + (size_t)kvh * capacity * HD) + gl;
+
+    // ROPE: this thread's chunk of its slot's first ATTN_EARLY_ROWS rows of the split (rows
+    // start + slot + u * slots, the first iterations of the score and value loops below),
+    // copied to s_early (K at u * blockDim.x + threadIdx.x, V ER * blockDim.x further) before
+    // the wait. Rows past the split, row pos (not written yet) and idle lanes copy nothing,
+    // and nothing reads those slots.
+    // Only with a wait to run ahead of (FERRUM_HAS_PDL); without, the copies would gain nothing.
+    constexpr int ER = ROPE && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
+    if (ER > 0) {
+#pragma unroll
+        for (int u = 0; u < ER; ++u) {
+            const int t = start + slot + u * slots;
+            if (chunk_on && t < end && t != (int)pos) {
+                cp_early16(s_early + u * blockDim.x + threadIdx.x, kb + (size_t)t * CH);
+                cp_early16(s_early + (ER + u) * blockDim.x + threadIdx.x, vb + (size_t)t * CH);
+            }
+        }
+    }
 
     const float *qh = q + (size_t)tok * q_stride + h * HD;
     // The new row (ROPE only): its position when this split holds it, else -1.
     int new_row = -1;
     if (ROPE) {
-        rope_head<T, HD>(s_q, q + (size_t)tok * q_stride, rope.bias, rope.q_norm, true, false,
-                         rope.inv_freq, pos, h * HD, rope.eps, s_red);
-        if ((int)pos >= start && (int)pos < end) {  // pos < len <= capacity
+        FERRUM_PDL_ENTRY();  // q, k and v of the new token come from the QKV projection
+        if (ER > 0) cp_early_wait();
+        const float *row = q + (size_t)tok * q_stride;
+        const int i = threadIdx.x, half = HD / 2;
+        const bool has_new = (int)pos >= start && (int)pos < end;  // pos < len <= capacity
+        const int k_off = (heads + kvh) * HD, v_off = (heads + kv_heads + kvh) * HD;
+        // The raw pairs of q, k and v, loaded together (k and v only where needed).
+        float qa = 0.0f, qb = 0.0f, ka = 0.0f, kb2 = 0.0f, va = 0.0f, vb2 = 0.0f;
+        if (i < half) {
+            qa = row[h * HD + i];
+            qb = row[h * HD + i + half];
+            if (has_new) {
+                ka = row[k_off + i];
+                kb2 = row[k_off + i + half];
+                va = row[v_off + i];
+                vb2 = row[v_off + i + half];
+            }
+        }
+        rope_head<T, HD>(s_q, qa, qb, rope.bias, rope.q_norm, true, false, rope.inv_freq, pos,
+                         h * HD, rope.eps, s_red);
+        if (has_new) {  // uniform over the block
             new_row = (int)pos;
-            const float *row = q + (size_t)tok * q_stride;
-            rope_head<T, HD>(s_k, row, rope.bias, rope.k_norm, true, true, rope.inv_freq, pos,
-                             (heads + kvh) * HD, rope.eps, s_red);
-            rope_head<T, HD>(s_v, row, rope.bias, nullptr, false, true, rope.inv_freq, pos,
-                             (heads + kv_heads + kvh) * HD, rope.eps, s_red);
+            rope_head<T, HD>(s_k, ka, kb2, rope.bias, rope.k_norm, true, true, rope.inv_freq, pos,
+                             k_off, rope.eps, s_red);
+            rope_head<T, HD>(s_v, va, vb2, rope.bias, nullptr, false, true, rope.inv_freq, pos,
+                             v_off, rope.eps, s_red);
         }
         __syncthreads();
         if (new_row >= 0 && h % (heads / kv_heads) == 0) {
@@ -268,15 +344,38 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         acc[j] = 0.0f;
     }
     float m = FERRUM_NEG_INF, l = 0.0f;  // block-uniform: they come from block reductions
-    // Chunk gl of row t starts at element t * HD + gl * 8: 16-byte aligned (HD % 8 == 0 and the
-    // cache is a cuMemAlloc allocation whose layer regions start at multiples of HD elements).
-    const uint4 *kb = reinterpret_cast<const uint4 *>(k_cache + (size_t)kvh * capacity * HD) + gl;
-    const uint4 *vb = reinterpret_cast<const uint4 *>(v_cache + (size_t)kvh * capacity * HD) + gl;
     for (int t0 = start; t0 < end; t0 += ATTN_TILE) {
         const int n = min(ATTN_TILE, end - t0);
-        // 1. Scores. The loop bound is warp-uniform (every lane reaches the shuffles).
+        // The early rows lie in the first tile (ER * slots <= 8 * 32 < ATTN_TILE); later
+        // iterations and tiles load from the cache here.
+        const int ib_late = warp * TPW + (t0 == start ? ER * slots : 0);
+        // 1. Scores. The loop bounds are warp-uniform (every lane reaches the shuffles).
+        if (ER > 0 && t0 == start) {
+#pragma unroll
+            for (int u = 0; u < ER; ++u) {
+                const int ib = warp * TPW + u * slots;
+                if (ib < n) {
+                    const int i = ib + sub;
+                    float sc = 0.0f;
+                    if (i < n && chunk_on) {
+                        float kf[8];
+                        if (t0 + i == new_row) {
+#pragma unroll
+                            for (int j = 0; j < 8; ++j) kf[j] = s_k[gl * 8 + j];
+                        } else {
+                            unpack8(s_early[u * blockDim.x + threadIdx.x], kf, T());
+                        }
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) sc = fmaf(qv[j], kf[j], sc);
+                    }
+#pragma unroll
+                    for (int o = G / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
+                    if (i < n && gl == 0) s_p[i] = sc;
+                }
+            }
+        }
 #pragma unroll 4
-        for (int ib = warp * TPW; ib < n; ib += slots) {
+        for (int ib = ib_late; ib < n; ib += slots) {
             const int i = ib + sub;
             float sc = 0.0f;
             if (i < n && chunk_on) {
@@ -313,8 +412,26 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         // 3. Values.
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] *= corr;
+        if (ER > 0 && t0 == start) {
+#pragma unroll
+            for (int u = 0; u < ER; ++u) {
+                const int i = warp * TPW + u * slots + sub;
+                if (i < n && chunk_on) {
+                    const float p = s_p[i];
+                    float vf[8];
+                    if (t0 + i == new_row) {
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
+                    } else {
+                        unpack8(s_early[(ER + u) * blockDim.x + threadIdx.x], vf, T());
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
+                }
+            }
+        }
 #pragma unroll 4
-        for (int ib = warp * TPW; ib < n; ib += slots) {
+        for (int ib = ib_late; ib < n; ib += slots) {
             const int i = ib + sub;
             if (i < n && chunk_on) {
                 const float p = s_p[i];
@@ -360,30 +477,32 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
                      float scale, const RopeArgs<T> &rope) {
     __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
+    // The early K/V copies (ROPE only): 2 * ATTN_EARLY_ROWS chunks per thread.
+    __shared__ uint4 s_early[ROPE && FERRUM_HAS_PDL ? 2 * ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 32 : 1];
     switch (hd) {
     case 16:
         attn_impl<T, 16, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, rope);
+                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 32:
         attn_impl<T, 32, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, rope);
+                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 64:
         attn_impl<T, 64, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, rope);
+                        kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 96:
         attn_impl<T, 96, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, rope);
+                        kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 128:
         attn_impl<T, 128, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, rope);
+                        kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 256:
         attn_impl<T, 256, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, rope);
+                        kv_heads, capacity, scale, smem, s_early, rope);
         break;
     default:
         break;  // the host only launches supported head dims
@@ -409,7 +528,7 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
         float *part_acc, float *part_ml, uint32_t *counters, const uint32_t *pos_base,             \
         int heads, int kv_heads, int hd, int capacity, float scale) {                              \
-        FERRUM_PDL_ENTRY();                                                                        \
+        /* attn_impl runs FERRUM_PDL_ENTRY */                                                      \
         const RopeArgs<T> none = {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0.0f};     \
         attn<T, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base,  \
                        heads, kv_heads, hd, capacity, scale, none);                                \
@@ -419,7 +538,7 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
         const float *inv_freq, float eps) {                                                        \
-        FERRUM_PDL_ENTRY();                                                                        \
+        /* attn_impl runs FERRUM_PDL_ENTRY, after its early loads */                               \
         const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         attn<T, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, \
                       heads, kv_heads, hd, capacity, scale, rope);                                 \

@@ -4,6 +4,7 @@
 use super::DevBuf;
 use crate::error::{Error, Result};
 use crate::kernel_list::Kernel;
+use crate::plan::GEMV_MAX_KS;
 use crate::ptx;
 use crate::spec::{DType, Fusion};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -77,7 +78,11 @@ fn grid1(n: usize) -> Result<u32> {
 }
 
 fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+    cfg_2d(grid, (block, 1, 1))
+}
+
+fn cfg_2d(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: 0 }
 }
 
 fn pick(dtype: DType, f16: Kernel, bf16: Kernel) -> Kernel {
@@ -234,6 +239,9 @@ pub(crate) struct Kernels {
     /// The widest hidden size whose one-GPU decode fuses the norms into the GEMVs
     /// ([`FUSED_NORMS_MAX_HIDDEN`], or `FERRUM_FUSED_NORMS_MAX_HIDDEN`).
     pub(crate) norms_max_hidden: usize,
+    /// `FERRUM_GEMV_SPLIT_K`: the largest GEMV split-K factor (1 turns split-K off; default
+    /// `plan::GEMV_MAX_KS`).
+    pub(crate) gemv_max_ks: u32,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -261,13 +269,16 @@ pub(crate) enum GemvIo<'a> {
     AddTo,
 }
 
-/// How a batch-1 GEMV is launched: rows per warp (2 or 4) and threads per block. Every variant
-/// computes each dot product in the same order, so all give bit-identical results (see
-/// gemv.cu); the runner times them per shape at start-up and keeps the fastest.
+/// How a batch-1 GEMV is launched: rows per warp (2 or 4), threads per block, and the split-K
+/// factor `ks` (warps sharing one row group, each over its own column stripes; see gemv.cu).
+/// For one `ks`, every variant computes each dot product in the same order, so all give
+/// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k`, and the runner times the
+/// rest per shape at start-up and keeps the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct GemvVariant {
     pub(crate) rows4: bool,
     pub(crate) block: u32,
+    pub(crate) ks: u32,
 }
 
 impl Default for GemvVariant {
@@ -286,18 +297,27 @@ impl GemvVariant {
             (true, true) => 2,
         }
     }
+    /// Row groups per block (each `ks` warps).
+    fn groups(self) -> usize {
+        (self.block / 32 / self.ks).max(1) as usize
+    }
     fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
-        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * (self.block as usize / 32)))
+        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * self.groups()))
+    }
+    /// Block shape: `(32 * groups, ks)`.
+    fn block_dim(self) -> (u32, u32, u32) {
+        (32 * self.groups() as u32, self.ks, 1)
     }
 }
 
-/// The GEMV launch variants the runner chooses from.
+/// The GEMV launch variants the runner chooses from (with the shape's `ks`).
 pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
-    GemvVariant { rows4: false, block: 256 },
-    GemvVariant { rows4: false, block: 128 },
-    GemvVariant { rows4: true, block: 256 },
-    GemvVariant { rows4: true, block: 128 },
+    GemvVariant { rows4: false, block: 256, ks: 1 },
+    GemvVariant { rows4: false, block: 128, ks: 1 },
+    GemvVariant { rows4: true, block: 256, ks: 1 },
+    GemvVariant { rows4: true, block: 128, ks: 1 },
 ];
+
 
 /// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
 pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
@@ -348,8 +368,13 @@ impl Kernels {
             }
         };
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
-        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, super::MAX_SPLITS)?;
-        tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, "kernels loaded");
+        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
+        let gemv_max_ks = match knob("FERRUM_GEMV_SPLIT_K", 1, GEMV_MAX_KS as usize)? {
+            Some(n) if n.is_power_of_two() => n as u32,
+            Some(n) => return Err(Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2 or 4"))),
+            None => GEMV_MAX_KS,
+        };
+        tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, gemv_max_ks, "kernels loaded");
         Ok(Kernels {
             funcs,
             _modules: modules,
@@ -363,6 +388,7 @@ impl Kernels {
             fuse_rope: fusion.rope,
             norms_max_hidden,
             attn_splits,
+            gemv_max_ks,
             marks: RefCell::new(None),
         })
     }
@@ -683,8 +709,10 @@ impl Kernels {
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(rows, false)?;
-        // SAFETY: each warp reads ROWS (2 or 4) consecutive rows of W (clamped to rows-1) over
-        // cols and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
+        // SAFETY: each group of ks warps (block (32 * groups, ks), groups * ks <= 8 as
+        // gemv.cu's shared slots assume: `GemvVariant::block_dim`) reads ROWS (2 or 4)
+        // consecutive rows of W (clamped to rows-1) over cols, each warp its column stripes,
+        // and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
         // cols, null and unread otherwise), and writes (the `_res` kernels read and write) the
         // f32 y[r] for r < rows only; extents checked above; y never overlaps x (distinct
         // activation buffers); signature (f32*, const T*, const f32*, int, int, const T*,
@@ -697,7 +725,7 @@ impl Kernels {
         // a host upload (synchronised per chunk) or an init kernel followed by a stream
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
         // never write weights.
-        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv"))?;
+        unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
 
@@ -743,13 +771,14 @@ impl Kernels {
         let mut b = self.builder(k);
         b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(inter, true)?;
-        // SAFETY: each warp computes outputs i < inter only (1 or 2 per warp), reading W rows i
+        // SAFETY: each group of ks warps (as in `gemv_io`) computes outputs i < inter only (1 or
+        // 2 per group), reading W rows i
         // and inter + i (clamped below inter and 2*inter) over cols and the f32 x over cols
         // (the `_norm` kernels also the dtype norm weight over cols; null and unread
         // otherwise), and writes the f32 h[i] for i < inter; extents checked above; signature
         // (f32*, const T*, const f32*, int, int, const T*, float) matches; alignment as for
         // `gemv_io`; W complete before the launch, as there (read before the wait).
-        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv_gateup"))?;
+        unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
 

@@ -10,6 +10,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
+use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
 use launch::{region, whole, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -18,11 +19,6 @@ pub(crate) type DevBuf<T> = CudaSlice<T>;
 
 /// Tokens per prefill pass (longer prompts are processed in chunks of this many).
 pub const PREFILL_CHUNK: usize = 512;
-/// Most KV splits of the decode attention.
-pub const MAX_SPLITS: usize = 64;
-/// Target cache rows per split of the decode attention for long caches (see `init_sequence`;
-/// above `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
-const ATTN_ROWS_PER_SPLIT: usize = 128;
 
 fn unavailable(e: DriverError) -> Error {
     Error::Unavailable(e.to_string())
@@ -637,7 +633,7 @@ impl CudaDecodeRunner {
         // The GEMVs read weights before their programmatic-launch wait (common.cuh), so the
         // kernels that generated synthetic weights must be complete before the first GEMV.
         k.stream.synchronize().map_err(Error::driver("finishing the weights"))?;
-        tune_gemv(&ctx, &mut k, &spec, &w)?;
+        tune_gemv(&ctx, &mut k, &spec, &w, sms)?;
         let stream = k.stream.clone();
         let mut inv_freq = alloc::<f32>(&ctx, &stream, spec.rope_inv_freq.len(), "RoPE table")?;
         stream.memcpy_htod(&spec.rope_inv_freq, &mut inv_freq).map_err(Error::driver("uploading the RoPE table"))?;
@@ -731,13 +727,7 @@ impl CudaDecodeRunner {
         let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
         let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
         let history = alloc::<u32>(&self.ctx, &self.k.stream, capacity + 1, "token history")?;
-        // Fixed split count per sequence (the kernel spreads the current length over them): at
-        // least about two blocks per SM over the heads (at least 64 rows per split), and for long
-        // caches at most ATTN_ROWS_PER_SPLIT rows per split, so a warp walks at most a quarter of
-        // that; capped at MAX_SPLITS. Each warp's walk is a chain of dependent loads, so long
-        // contexts need many more warps in flight than two blocks per SM give.
-        let wide = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64));
-        let n_splits = wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS);
+        let n_splits = attn_splits(capacity, s.heads, self.sms);
         let n_splits = self.k.attn_splits.unwrap_or(n_splits);
         self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
@@ -1121,26 +1111,26 @@ impl CudaDecodeRunner {
     }
 
     /// The GEMV launch variant chosen per projection shape at start-up, as
-    /// `(rows, cols, gate|up, "rows per warp x threads per block")`.
+    /// `(rows, cols, gate|up, "rows per warp x threads per block / k split-K")`.
     pub fn gemv_choices(&self) -> Vec<(usize, usize, bool, String)> {
         let mut v: Vec<_> = self
             .k
             .gemv_table
             .iter()
-            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}", if v.rows4 { 4 } else { 2 }, v.block)))
+            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}/k{}", if v.rows4 { 4 } else { 2 }, v.block, v.ks)))
             .collect();
         v.sort();
         v
     }
 
-    /// For tests: launches every tuned GEMV shape with variant `i` (of 4). All variants give
-    /// bit-identical results; this lets a test check that.
+    /// For tests: launches every tuned GEMV shape with variant `i` (of 4), keeping each shape's
+    /// split-K factor. All such variants give bit-identical results; this lets a test check that.
     #[doc(hidden)]
     pub fn force_gemv_variant(&mut self, i: usize) {
         let v = GEMV_VARIANTS[i % GEMV_VARIANTS.len()];
         self.generation += 1;
         for e in self.k.gemv_table.values_mut() {
-            *e = v;
+            *e = GemvVariant { ks: e.ks, ..v };
         }
     }
 
@@ -1201,7 +1191,7 @@ impl CudaDecodeRunner {
 /// Times every GEMV variant on each decode projection shape (the runner's own weights of layer
 /// 0 and the LM head, a zero input; 3 warm-ups, then the median of 7 by CUDA events) and keeps
 /// the fastest per shape. All variants give bit-identical results, so this changes speed only.
-fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights) -> Result<()> {
+fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights, sms: usize) -> Result<()> {
     let Some(l0) = w.layers.first() else { return Ok(()) };
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     let shapes: [(usize, usize, bool, &CudaSlice<u16>); 5] = [
@@ -1223,8 +1213,12 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         if k.gemv_table.contains_key(&key) {
             continue;
         }
-        let mut best = (f32::MAX, GemvVariant::default());
+        // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
+        // variants timed here all share it, so the choice changes speed only.
+        let ks = gemv_split_k(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks);
+        let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
         for v in GEMV_VARIANTS {
+            let v = GemvVariant { ks, ..v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(7);
             for it in 0..10 {
@@ -1328,6 +1322,8 @@ fn forward(
         )?;
     }
     let splits = if decode { seq.n_splits } else { 1 };
+    // Decode: enough warps to hold a whole split in registers (plan::attn_warps).
+    let attn_warps = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { 4 };
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
@@ -1398,7 +1394,7 @@ fn forward(
             pos,
             n,
             splits,
-            4,
+            attn_warps,
             s.heads,
             s.kv_heads,
             s.head_dim,
