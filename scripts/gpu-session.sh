@@ -8,7 +8,7 @@
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
 #   (also SKIP_SUITE, SKIP_MEMCHECK, SKIP_TPCLI, SKIP_NOPDL, SKIP_NOFUSE, SKIP_PROFILE, SKIP_LONG,
-#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA)
+#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/ferrum-gpu-out}
@@ -42,8 +42,9 @@ grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 v
 
 fi
 if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+    # MEMCHECK_FILTER: test names to run under memcheck (default: all of gpu-tests-cuda).
     timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --error-exitcode 9 "$B/gpu-tests-cuda" --ignored --test-threads=1 \
-        >"$OUT/memcheck.log" 2>&1
+        ${MEMCHECK_FILTER:-} >"$OUT/memcheck.log" 2>&1
     say "== memcheck (gpu-tests-cuda) exit: $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 fi
 

@@ -9,6 +9,7 @@
 // from device memory (pos_base[0] + token index), so the launch does not
 // depend on the position (CUDA graphs can replay it).
 #include "common.cuh"
+#include <mma.h>
 
 // RoPE's per-pair math, shared by rope_qkv and the fused attention (rope_head) so that the two
 // agree bit for bit: thread i < half holds the pair (a, b) = (x[i], x[i + half]) of one head
@@ -509,6 +510,225 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
     }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prefill attention on tensor cores (ferrum_attn_prefill_*): causal attention of n_tok query
+// rows (positions pos_base[0] + t) over one layer's cache, head dims 16..128 (multiples of 16).
+// The decode kernel above walks rows with CUDA-core dot products, which for a 1024-token
+// prompt is n_tok times the whole cache per head; here each block takes PF_BM query rows of
+// one head and multiplies them by PF_BN-row tiles of K and V with WMMA (16x16x16, f16 inputs,
+// f32 accumulation).
+//
+// Numerics: q (scaled by `scale`), the K and V tiles and the probabilities are rounded to f16
+// for the tensor cores, whatever the model dtype (bf16 caches convert exactly unless a value
+// is beyond f16's range, where it is clamped to +-65504 so that no infinity can appear);
+// scores, the softmax statistics and the output accumulate in f32. Two passes over the keys:
+// the first finds each row's max m and sum l (online, in f32), the second accumulates
+// O += (exp(s - m) / l) V, so the output needs no rescaling between tiles (the price is
+// computing q K^T twice, which the tensor cores do far faster than the memory walk it
+// replaces). Every order is fixed by the launch shape, so results are deterministic.
+//
+// Grid (heads, ceil(n_tok / PF_BM)); block PF_WARPS * 32 threads; warp w owns query rows
+// q0 + 16 w .. + 16 of the block. Keys of the block: [0, kend) with kend = min(pos of its last
+// row + 1, capacity); key j is masked for row t when j > pos_base[0] + t. Rows past kend are
+// zero-filled in shared memory (never read from the cache), so masked products are exact
+// zeros.
+
+#define PF_WARPS 2
+#define PF_BM (16 * PF_WARPS)
+#define PF_BN 32
+
+// Shared memory of one block, in halves unless noted: q [PF_BM][HD + 8], k and v
+// [PF_BN][HD + 8] (8 halves of padding per row against bank conflicts, keeping every WMMA
+// pointer 32-byte aligned), scores (f32) [PF_WARPS][16][PF_BN + 4], probabilities
+// [PF_WARPS][16][PF_BN + 8]. At the end the q/k/v region holds the f32 output [PF_BM][HD].
+template <int HD> struct PfLayout {
+    static constexpr int LDH = HD + 8, LDS = PF_BN + 4, LDP = PF_BN + 8;
+    static constexpr int Q = 0, K = Q + PF_BM * LDH * 2, V = K + PF_BN * LDH * 2;  // bytes
+    static constexpr int S = V + PF_BN * LDH * 2, P = S + PF_WARPS * 16 * LDS * 4;
+    static constexpr int BYTES = P + PF_WARPS * 16 * LDP * 2;
+    static_assert(PF_BM * HD * 4 <= S, "the output staging fits in the q/k/v region");
+};
+#define PF_SMEM_BYTES (PfLayout<128>::BYTES)
+
+__device__ __forceinline__ __half pf_half(float x) {
+    return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f));
+}
+
+// Rows [k0, k0 + PF_BN) of one KV head's cache (rows >= kend as zeros) into `dst` as f16.
+template <typename T, int HD>
+__device__ __forceinline__ void pf_load_tile(__half *dst, const T *cache, int k0, int kend) {
+    constexpr int CH = HD / 8, LDH = PfLayout<HD>::LDH;
+    for (int c = threadIdx.x; c < PF_BN * CH; c += blockDim.x) {
+        const int r = c / CH, ch = c % CH;
+        float f[8];
+        if (k0 + r < kend) {
+            unpack8(__ldg(reinterpret_cast<const uint4 *>(cache + (size_t)(k0 + r) * HD) + ch), f, T());
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dst[r * LDH + ch * 8 + j] = pf_half(f[j]);
+    }
+}
+
+// s_s (this warp's 16 x PF_BN f32 scores) = q (16 x HD, fragments qf) . K tile^T.
+template <int HD>
+__device__ __forceinline__ void pf_scores(
+    float *s_s, const __half *s_k,
+    const nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> (&qf)[HD / 16]) {
+    using namespace nvcuda;
+    constexpr int LDH = PfLayout<HD>::LDH, LDS = PfLayout<HD>::LDS;
+#pragma unroll
+    for (int nb = 0; nb < PF_BN / 16; ++nb) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+        wmma::fill_fragment(acc, 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            // K^T as matrix_b: element (d, key) at s_k[key * LDH + d], column-major.
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> kf;
+            wmma::load_matrix_sync(kf, s_k + nb * 16 * LDH + kk * 16, LDH);
+            wmma::mma_sync(acc, qf[kk], kf, acc);
+        }
+        wmma::store_matrix_sync(s_s + nb * 16, acc, LDS, wmma::mem_row_major);
+    }
+}
+
+template <typename T, int HD>
+__device__ void attn_prefill_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
+                                  float *out, const uint32_t *pos_base, int n_tok, int heads,
+                                  int kv_heads, int capacity, float scale, unsigned char *smem) {
+    using namespace nvcuda;
+    using L = PfLayout<HD>;
+    constexpr int LDH = L::LDH, LDS = L::LDS, LDP = L::LDP;
+    __half *s_q = reinterpret_cast<__half *>(smem + L::Q);
+    __half *s_k = reinterpret_cast<__half *>(smem + L::K);
+    __half *s_v = reinterpret_cast<__half *>(smem + L::V);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float *s_s = reinterpret_cast<float *>(smem + L::S) + warp * 16 * LDS;
+    __half *s_p = reinterpret_cast<__half *>(smem + L::P) + warp * 16 * LDP;
+    const int h = blockIdx.x, q0 = blockIdx.y * PF_BM;
+    const int kvh = h / (heads / kv_heads);
+    const uint32_t p0 = pos_base[0];
+    const int last = min(q0 + PF_BM, n_tok) - 1;  // q0 < n_tok (grid)
+    const int kend = (int)min(p0 + (uint32_t)last + 1u, (uint32_t)capacity);
+    const T *kc = k_cache + (size_t)kvh * capacity * HD;
+    const T *vc = v_cache + (size_t)kvh * capacity * HD;
+
+    // q tile (scaled, f16; rows past n_tok as zeros).
+    for (int e = threadIdx.x; e < PF_BM * HD; e += blockDim.x) {
+        const int r = e / HD, d = e % HD, t = q0 + r;
+        s_q[r * LDH + d] = pf_half(t < n_tok ? q[(size_t)t * q_stride + h * HD + d] * scale : 0.0f);
+    }
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qf[HD / 16];
+#pragma unroll
+    for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qf[kk], s_q + warp * 16 * LDH + kk * 16, LDH);
+
+    // Lane l takes row r = l / 2 of the warp's 16 and the half (l % 2) of each tile's columns.
+    const int r = lane >> 1, c0 = (lane & 1) * (PF_BN / 2);
+    const int t = q0 + warp * 16 + r;
+    const long long lim = (long long)p0 + t;  // last key row t may see
+    float m = FERRUM_NEG_INF, l = 0.0f;
+
+    // Pass 1: row max and sum.
+    for (int k0 = 0; k0 < kend; k0 += PF_BN) {
+        __syncthreads();  // the previous tile is no longer read
+        pf_load_tile<T, HD>(s_k, kc, k0, kend);
+        __syncthreads();
+        pf_scores<HD>(s_s, s_k, qf);
+        __syncwarp();
+        float mt = FERRUM_NEG_INF;
+        for (int c = c0; c < c0 + PF_BN / 2; ++c)
+            if (k0 + c <= lim && k0 + c < kend) mt = fmaxf(mt, s_s[r * LDS + c]);
+        if (mt != FERRUM_NEG_INF) {
+            const float mn = fmaxf(m, mt);
+            float ls = 0.0f;
+            for (int c = c0; c < c0 + PF_BN / 2; ++c)
+                if (k0 + c <= lim && k0 + c < kend) ls += expf(s_s[r * LDS + c] - mn);
+            l = l * expf(m - mn) + ls;
+            m = mn;
+        }
+        __syncwarp();  // s_s is rewritten by the next tile
+    }
+    // The two lanes of a row combine (in lane order, the same on both).
+    {
+        const float mo = __shfl_xor_sync(0xffffffffu, m, 1), lo = __shfl_xor_sync(0xffffffffu, l, 1);
+        const float M = fmaxf(m, mo);
+        const float la = (lane & 1) ? lo : l, ma = (lane & 1) ? mo : m;
+        const float lb = (lane & 1) ? l : lo, mb = (lane & 1) ? m : mo;
+        l = (ma == FERRUM_NEG_INF ? 0.0f : la * expf(ma - M)) + (mb == FERRUM_NEG_INF ? 0.0f : lb * expf(mb - M));
+        m = M;
+    }
+    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
+
+    // Pass 2: O += P V with P = exp(s - m) / l.
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[HD / 16];
+#pragma unroll
+    for (int j = 0; j < HD / 16; ++j) wmma::fill_fragment(of[j], 0.0f);
+    for (int k0 = 0; k0 < kend; k0 += PF_BN) {
+        __syncthreads();
+        pf_load_tile<T, HD>(s_k, kc, k0, kend);
+        pf_load_tile<T, HD>(s_v, vc, k0, kend);
+        __syncthreads();
+        pf_scores<HD>(s_s, s_k, qf);
+        __syncwarp();
+        for (int c = c0; c < c0 + PF_BN / 2; ++c) {
+            const bool on = k0 + c <= lim && k0 + c < kend;
+            s_p[r * LDP + c] = __float2half_rn(on ? expf(s_s[r * LDS + c] - m) * inv_l : 0.0f);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int kk = 0; kk < PF_BN / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> pf;
+            wmma::load_matrix_sync(pf, s_p + kk * 16, LDP);
+#pragma unroll
+            for (int j = 0; j < HD / 16; ++j) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, s_v + kk * 16 * LDH + j * 16, LDH);
+                wmma::mma_sync(of[j], pf, vf, of[j]);
+            }
+        }
+    }
+    // Stage the f32 output in the q/k/v region, then write the block's valid rows.
+    __syncthreads();
+    float *s_o = reinterpret_cast<float *>(smem);  // [PF_BM][HD]
+#pragma unroll
+    for (int j = 0; j < HD / 16; ++j)
+        wmma::store_matrix_sync(s_o + warp * 16 * HD + j * 16, of[j], HD, wmma::mem_row_major);
+    __syncthreads();
+    for (int e = threadIdx.x; e < PF_BM * HD; e += blockDim.x) {
+        const int rr = e / HD, d = e % HD, tt = q0 + rr;
+        if (tt < n_tok) out[(size_t)tt * heads * HD + h * HD + d] = s_o[e];
+    }
+}
+
+template <typename T>
+__device__ void attn_prefill(const float *q, int q_stride, const T *k_cache, const T *v_cache,
+                             float *out, const uint32_t *pos_base, int n_tok, int heads,
+                             int kv_heads, int hd, int capacity, float scale) {
+    __shared__ __align__(128) unsigned char smem[PF_SMEM_BYTES];
+    switch (hd) {
+    case 16:
+        attn_prefill_impl<T, 16>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
+        break;
+    case 32:
+        attn_prefill_impl<T, 32>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
+        break;
+    case 64:
+        attn_prefill_impl<T, 64>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
+        break;
+    case 96:
+        attn_prefill_impl<T, 96>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
+        break;
+    case 128:
+        attn_prefill_impl<T, 128>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
+        break;
+    default:
+        break;  // the host launches head dims 16..128 only
+    }
+}
+
 // grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits (the unfused path).
 __device__ void attn_combine(float *out, const float *part_acc, const float *part_ml, int heads,
                              int hd, int n_splits) {
@@ -542,6 +762,14 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         attn<T, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, \
                       heads, kv_heads, hd, capacity, scale, rope);                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(PF_WARPS * 32) ferrum_attn_prefill_##S(          \
+        const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
+        const uint32_t *pos_base, int n_tok, int heads, int kv_heads, int hd, int capacity,        \
+        float scale) {                                                                             \
+        FERRUM_PDL_ENTRY();                                                                        \
+        attn_prefill<T>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, hd,  \
+                        capacity, scale);                                                          \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \

@@ -36,10 +36,12 @@ pub const MAX_SPLITS: usize = 64;
 /// `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
 pub const ATTN_ROWS_PER_SPLIT: usize = 128;
 /// Fewest cache rows per split when short caches are split for parallelism. Measured on one
-/// H200 (session 11, 384-token cache, `FERRUM_ATTN_SPLITS` A/B in one call): SmolLM2-135M
-/// (9 heads) ran 1549–1568 tok/s with 6 splits of 64 rows and 1680–1756 with 12 of 32; the
-/// 32-head models did not move.
-pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 32;
+/// H200 (session 11, 384-token cache, `FERRUM_ATTN_SPLITS` A/B within one device call): with
+/// the attention that walks the cache after its wait, SmolLM2-135M (9 heads) ran 1549–1568
+/// tok/s with 6 splits of 64 rows and 1680–1756 with 12 of 32; once the fused attention copied
+/// its rows before the wait, 6 splits ran 1926–2084 and 12 splits 1877–1887 (Llama-3.2-1B:
+/// 1177–1191 with 6, 1165–1169 with 9). So 64.
+pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
 /// Cache rows per row slot that the fused decode attention loads before its programmatic-launch
 /// wait (attention.cu's `ATTN_EARLY_ROWS`).
 pub const ATTN_EARLY_ROWS: usize = 8;
@@ -89,10 +91,10 @@ mod tests {
 
     #[test]
     fn attention_splits_and_warps() {
-        // 384-token sequences: two blocks per SM over 32 heads (9 splits), 32-row splits for
-        // 9 heads; 8k: 128-row splits, the 64-split cap at 8192.
-        assert_eq!(attn_splits(384, 32, H200_SMS), 9);
-        assert_eq!(attn_splits(384, 9, H200_SMS), 12);
+        // 384-token sequences: 64-row splits; 8k: 128-row splits, the 64-split cap at 8192.
+        assert_eq!(attn_splits(384, 32, H200_SMS), 6);
+        assert_eq!(attn_splits(384, 9, H200_SMS), 6);
+        assert_eq!(attn_splits(4096, 64, H200_SMS), 32);
         assert_eq!(attn_splits(8192, 32, H200_SMS), 64);
         assert_eq!(attn_splits(100_000, 32, H200_SMS), MAX_SPLITS);
         assert_eq!(attn_splits(1, 32, H200_SMS), 1);

@@ -318,11 +318,16 @@ pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
     GemvVariant { rows4: true, block: 128, ks: 1 },
 ];
 
-
 /// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
 pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
 pub(crate) const ATTN_MAX_WARPS: u32 = 8;
+/// Largest head dim of the tensor-core prefill attention (attention.cu's `PF_SMEM_BYTES`).
+pub(crate) const PREFILL_MAX_HEAD_DIM: usize = 128;
+/// Query rows per block and threads per block of the prefill attention (attention.cu's
+/// `PF_BM` and `PF_WARPS * 32`).
+const PREFILL_ROWS_PER_BLOCK: usize = 32;
+const PREFILL_THREADS: u32 = 64;
 
 impl Kernels {
     /// Loads the kernels for `ctx`'s GPU: the compute_90 PTX with programmatic dependent launch
@@ -637,6 +642,70 @@ impl Kernels {
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
         // follow in that order.
         unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
+        Ok(())
+    }
+
+    /// Causal attention of `n_tok` query rows (row stride `q_stride`, the first at position
+    /// `pos[0]`) over one layer's cache on tensor cores (attention.cu's
+    /// `ferrum_attn_prefill_*`): `out` `[n_tok][heads*head_dim]` f32. Head dims up to
+    /// [`PREFILL_MAX_HEAD_DIM`], multiples of 16.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_prefill(
+        &self,
+        q: Region<'_, f32>,
+        q_stride: usize,
+        k_cache: Region<'_, u16>,
+        v_cache: Region<'_, u16>,
+        out: Region<'_, f32>,
+        pos: Region<'_, u32>,
+        n_tok: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<()> {
+        if head_dim % 16 != 0 || head_dim > PREFILL_MAX_HEAD_DIM || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::Internal(format!("attn_prefill: head_dim {head_dim}, heads {heads}/{kv_heads}")));
+        }
+        if n_tok == 0 || q_stride < heads * head_dim {
+            return Err(Error::Internal(format!("attn_prefill: {n_tok} tokens, q stride {q_stride}")));
+        }
+        let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn_prefill q")?;
+        let pk = k_cache.need(kv_heads * capacity * head_dim, "attn_prefill k cache")?;
+        let pv = v_cache.need(kv_heads * capacity * head_dim, "attn_prefill v cache")?;
+        let po = out.need(n_tok * heads * head_dim, "attn_prefill out")?;
+        let ppos = pos.need(1, "attn_prefill pos")?;
+        let (qs, nt, h, kvh, hd, cap) = (
+            i32_of(q_stride, "q_stride")?,
+            i32_of(n_tok, "n_tok")?,
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let scale = 1.0f32 / (head_dim as f32).sqrt();
+        let mut b = self.builder(pick(self.dtype, Kernel::AttnPrefillF16, Kernel::AttnPrefillBf16));
+        b.arg(&pq)
+            .arg(&qs)
+            .arg(&pk)
+            .arg(&pv)
+            .arg(&po)
+            .arg(&ppos)
+            .arg(&nt)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&cap)
+            .arg(&scale);
+        let grid = (heads as u32, grid1(n_tok.div_ceil(PREFILL_ROWS_PER_BLOCK))?, 1);
+        // SAFETY: block (h, b) reads the f32 q rows t = 32b .. 32b + 31 (t < n_tok) at
+        // t*q_stride + h*hd .. +hd, pos[0], and cache rows [kvh][0 .. min(pos[0] + t + 1,
+        // capacity)) (16-byte loads: cache regions start at multiples of head_dim elements of a
+        // 256-byte-aligned allocation, head_dim % 16 == 0); it writes the f32 out[t][h*hd .. +hd)
+        // for t < n_tok only. Extents checked above; blocks of PREFILL_ROWS_PER_BLOCK threads (2
+        // warps), as the kernel's PF_WARPS; signature (const f32*, int, const T*, const T*, f32*,
+        // const u32*, int x6, float) matches.
+        unsafe { b.launch(cfg(grid, PREFILL_THREADS)) }.map_err(Error::driver("attn_prefill"))?;
         Ok(())
     }
 

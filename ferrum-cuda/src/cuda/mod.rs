@@ -2,6 +2,7 @@
 mod launch;
 
 use crate::error::{Error, Result};
+use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -10,12 +11,15 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
 use launch::{region, whole, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
 pub(crate) type DevBuf<T> = CudaSlice<T>;
+
+/// Prompt chunks of at least this many tokens take the tensor-core prefill attention (a
+/// 32-row query tile per block; shorter ones the row-walking kernel).
+const PREFILL_MIN_TOKENS: usize = 16;
 
 /// Tokens per prefill pass (longer prompts are processed in chunks of this many).
 pub const PREFILL_CHUNK: usize = 512;
@@ -1378,38 +1382,55 @@ fn forward(
                 eps,
             )?;
         }
-        // Several splits (decode only, one token): the attention kernel's last split block
-        // merges them, unless fusion is off (then a combine kernel does).
-        let fused_merge = k.fuse_merge && splits > 1 && n == 1;
-        k.attn(
-            fused_rope.then_some(rope),
-            region(&a.qkv, st, 0, n * qkv_dim)?,
-            qkv_dim,
-            kc,
-            vc,
-            region(&a.attn, st, 0, n * q_dim)?,
-            whole(&a.part_acc, st)?,
-            whole(&a.part_ml, st)?,
-            if fused_merge { whole(&a.attn_counters, st)? } else { Region::null() },
-            pos,
-            n,
-            splits,
-            attn_warps,
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            seq.capacity,
-        )?;
-        if splits > 1 && !fused_merge {
-            k.attn_combine(
+        // Prompts of PREFILL_MIN_TOKENS tokens or more: the tensor-core attention.
+        if !decode && n >= PREFILL_MIN_TOKENS && s.head_dim <= launch::PREFILL_MAX_HEAD_DIM && s.head_dim % 16 == 0 {
+            k.attn_prefill(
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                qkv_dim,
+                kc,
+                vc,
+                region(&a.attn, st, 0, n * q_dim)?,
+                pos,
+                n,
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+                seq.capacity,
+            )?;
+        } else {
+            // Several splits (decode only, one token): the attention kernel's last split block
+            // merges them, unless fusion is off (then a combine kernel does).
+            let fused_merge = k.fuse_merge && splits > 1 && n == 1;
+            k.attn(
+                fused_rope.then_some(rope),
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                qkv_dim,
+                kc,
+                vc,
                 region(&a.attn, st, 0, n * q_dim)?,
                 whole(&a.part_acc, st)?,
                 whole(&a.part_ml, st)?,
+                if fused_merge { whole(&a.attn_counters, st)? } else { Region::null() },
+                pos,
                 n,
                 splits,
+                attn_warps,
                 s.heads,
+                s.kv_heads,
                 s.head_dim,
+                seq.capacity,
             )?;
+            if splits > 1 && !fused_merge {
+                k.attn_combine(
+                    region(&a.attn, st, 0, n * q_dim)?,
+                    whole(&a.part_acc, st)?,
+                    whole(&a.part_ml, st)?,
+                    n,
+                    splits,
+                    s.heads,
+                    s.head_dim,
+                )?;
+            }
         }
         if fused_norms {
             // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h
