@@ -213,10 +213,11 @@ __device__ __forceinline__ void cp_early16(uint4 *dst_smem, const uint4 *src) {
 __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 // Cache rows per row slot that ferrum_attn_rope_* copies to shared memory before the wait (K
-// and V: 2 * 16 * ATTN_EARLY_ROWS bytes per thread, 32 KiB for 8 warps). A split whose rows
-// fit (ATTN_EARLY_ROWS x the block's slots; the host picks 4 or 8 warps for that) has every
-// cache load in flight before the previous kernel ends; longer splits stream the rest after
-// the wait.
+// and V: 2 * 16 * ATTN_EARLY_ROWS bytes per thread, 32 KiB for 8 warps, in dynamic shared
+// memory). When a split's rows fit (ATTN_EARLY_ROWS x the block's slots; the host picks 4 or 8
+// warps for that, plan::attn_warps, and plan::ATTN_EARLY_ROWS must equal this), every cache
+// load is in flight before the previous kernel ends; longer splits get no buffer and walk the
+// cache after the wait.
 #define ATTN_EARLY_ROWS 4
 
 // grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
@@ -282,8 +283,14 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // the wait. Rows past the split, row pos (not written yet) and idle lanes copy nothing,
     // and nothing reads those slots.
     // Only with a wait to run ahead of (FERRUM_HAS_PDL); without, the copies would gain nothing.
+    // The copies go to the launch's dynamic shared memory; the host gives it (2 * ER chunks
+    // per thread) only when the whole split fits in the early rows (plan::attn_warps): for
+    // long splits the buffer would cost more occupancy than the early rows save.
     constexpr int ER = ROPE && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
-    if (ER > 0) {
+    uint32_t dyn_bytes = 0;
+    if (ER > 0) asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    const bool early = ER > 0 && dyn_bytes >= 2u * ER * blockDim.x * (uint32_t)sizeof(uint4);
+    if (early) {
 #pragma unroll
         for (int u = 0; u < ER; ++u) {
             const int t = start + slot + u * slots;
@@ -299,7 +306,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     int new_row = -1;
     if (ROPE) {
         FERRUM_PDL_ENTRY();  // q, k and v of the new token come from the QKV projection
-        if (ER > 0) cp_early_wait();
+        if (early) cp_early_wait();
         const float *row = q + (size_t)tok * q_stride;
         const int i = threadIdx.x, half = HD / 2;
         const bool has_new = (int)pos >= start && (int)pos < end;  // pos < len <= capacity
@@ -349,9 +356,9 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         const int n = min(ATTN_TILE, end - t0);
         // The early rows lie in the first tile (ER * slots <= 8 * 32 < ATTN_TILE); later
         // iterations and tiles load from the cache here.
-        const int ib_late = warp * TPW + (t0 == start ? ER * slots : 0);
+        const int ib_late = warp * TPW + (early && t0 == start ? ER * slots : 0);
         // 1. Scores. The loop bounds are warp-uniform (every lane reaches the shuffles).
-        if (ER > 0 && t0 == start) {
+        if (early && t0 == start) {
 #pragma unroll
             for (int u = 0; u < ER; ++u) {
                 const int ib = warp * TPW + u * slots;
@@ -413,7 +420,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         // 3. Values.
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] *= corr;
-        if (ER > 0 && t0 == start) {
+        if (early && t0 == start) {
 #pragma unroll
             for (int u = 0; u < ER; ++u) {
                 const int i = warp * TPW + u * slots + sub;
@@ -478,8 +485,9 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
                      float scale, const RopeArgs<T> &rope) {
     __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
-    // The early K/V copies (ROPE only): 2 * ATTN_EARLY_ROWS chunks per thread.
-    __shared__ uint4 s_early[ROPE && FERRUM_HAS_PDL ? 2 * ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 32 : 1];
+    // The early K/V copies (ROPE only): 2 * ATTN_EARLY_ROWS chunks per thread, in the launch's
+    // dynamic shared memory (none unless the host enables them).
+    extern __shared__ uint4 s_early[];
     switch (hd) {
     case 16:
         attn_impl<T, 16, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,

@@ -44,7 +44,7 @@ pub const ATTN_ROWS_PER_SPLIT: usize = 128;
 pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
 /// Cache rows per row slot that the fused decode attention loads before its programmatic-launch
 /// wait (attention.cu's `ATTN_EARLY_ROWS`).
-pub const ATTN_EARLY_ROWS: usize = 8;
+pub const ATTN_EARLY_ROWS: usize = 4;
 
 /// KV splits of the decode attention for a sequence of `capacity` tokens, fixed per sequence so
 /// the grid never changes (the kernel spreads the current length over them): at least about
@@ -56,16 +56,32 @@ pub fn attn_splits(capacity: usize, heads: usize, sms: usize) -> usize {
     wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS)
 }
 
-/// Warps per block of the decode attention over splits of at most `rows` cache rows: 4, or 8
-/// when 4 warps' row slots cannot hold every row of a split in registers before the wait
-/// (attention.cu: a warp walks 32 / G rows at a time, G = the power of two >= head_dim / 8).
-pub fn attn_warps(head_dim: usize, rows: usize) -> u32 {
+/// How the fused decode attention runs over splits of at most `rows` cache rows of
+/// `head_dim`: (warps per block, early copies). A warp walks 32 / G rows at a time (attention.cu:
+/// G = the power of two >= head_dim / 8), and with early copies each row slot holds
+/// [`ATTN_EARLY_ROWS`] rows copied before the programmatic-launch wait. 4 warps when they hold
+/// the whole split, else 8 when those do; longer splits (long contexts) take 4 warps and no
+/// early copies, whose 16–32 KiB of shared memory per block would cut the blocks resident per
+/// multiprocessor (measured: 8k context fell from 165 to 140 tok/s with them).
+pub fn attn_warps(head_dim: usize, rows: usize) -> (u32, bool) {
     let g = (head_dim / 8).next_power_of_two().clamp(2, 32);
     let slots_per_warp = 32 / g;
     if rows <= 4 * slots_per_warp * ATTN_EARLY_ROWS {
-        4
+        (4, true)
+    } else if rows <= 8 * slots_per_warp * ATTN_EARLY_ROWS {
+        (8, true)
     } else {
-        8
+        (4, false)
+    }
+}
+
+/// Dynamic shared memory of a fused decode attention launch: the early K/V copies, two 16-byte
+/// chunks per early row per thread (attention.cu's `s_early`), or none.
+pub fn attn_early_bytes(warps: u32, early: bool) -> u32 {
+    if early {
+        2 * ATTN_EARLY_ROWS as u32 * warps * 32 * 16
+    } else {
+        0
     }
 }
 
@@ -98,16 +114,36 @@ mod tests {
         assert_eq!(attn_splits(8192, 32, H200_SMS), 64);
         assert_eq!(attn_splits(100_000, 32, H200_SMS), MAX_SPLITS);
         assert_eq!(attn_splits(1, 32, H200_SMS), 1);
-        // Head dim 128 (G = 16, two rows per warp): 4 warps hold 64 rows, 8 warps beyond.
-        assert_eq!(attn_warps(128, 64), 4);
-        assert_eq!(attn_warps(128, 65), 8);
-        // Head dim 64 (G = 8, four rows per warp): 4 warps hold 128 rows.
-        assert_eq!(attn_warps(64, 128), 4);
-        assert_eq!(attn_warps(64, 129), 8);
+        // Head dim 128 (G = 16, two rows per warp): 4 warps hold 32 early rows, 8 warps 64,
+        // beyond that 4 warps and no early copies.
+        assert_eq!(attn_warps(128, 32), (4, true));
+        assert_eq!(attn_warps(128, 64), (8, true));
+        assert_eq!(attn_warps(128, 65), (4, false));
+        // Head dim 64 (G = 8, four rows per warp): 64 and 128 rows.
+        assert_eq!(attn_warps(64, 64), (4, true));
+        assert_eq!(attn_warps(64, 128), (8, true));
+        assert_eq!(attn_warps(64, 129), (4, false));
         // Head dim 16 and 96 (G = 2 and 16).
-        assert_eq!(attn_warps(16, 512), 4);
-        assert_eq!(attn_warps(96, 64), 4);
-        assert_eq!(attn_warps(256, 33), 8);
+        assert_eq!(attn_warps(16, 256), (4, true));
+        assert_eq!(attn_warps(96, 33), (8, true));
+        assert_eq!(attn_warps(256, 33), (4, false));
+        // The buffer: 32 KiB for 8 warps (with the 13.4 KiB static, under 48 KiB).
+        assert_eq!(attn_early_bytes(8, true), 32 * 1024);
+        assert_eq!(attn_early_bytes(4, true), 16 * 1024);
+        assert_eq!(attn_early_bytes(8, false), 0);
+    }
+
+    /// The constants shared with the kernels match their `#define`s in the CUDA sources.
+    #[test]
+    fn constants_match_the_kernel_sources() {
+        let define = |src: &str, name: &str| -> usize {
+            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).expect(name)
+        };
+        let attn = include_str!("../kernels/attention.cu");
+        assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
+        let gemv = include_str!("../kernels/gemv.cu");
+        assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
     }
 
     #[test]

@@ -126,7 +126,7 @@ pub(crate) struct Launch<'a> {
     n: usize,
     pdl: bool,
     /// When profiling ([`Kernels::marks`] is `Some`), an event is recorded after the launch.
-    marks: &'a RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
+    marks: &'a RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 impl<'a> Launch<'a> {
@@ -181,12 +181,8 @@ impl<'a> Launch<'a> {
 
     /// Profiling only (cold): records an event after this launch.
     #[cold]
-    fn mark_slow(&self, marks: &mut Vec<(Kernel, CudaEvent)>) -> Result<(), DriverError> {
-        // Timing events (the default flags; `None` would disable timing).
-        let ev = self.stream.context().new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))?;
-        ev.record(self.stream)?;
-        marks.push((self.kernel, ev));
-        Ok(())
+    fn mark_slow(&self, marks: &mut Vec<(&'static str, CudaEvent)>) -> Result<(), DriverError> {
+        record_mark(self.stream, marks, self.kernel.name())
     }
 
     #[inline]
@@ -198,6 +194,20 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// Profiling only (cold): records a timing event named `what` on `stream` (the default flags;
+/// `None` would disable timing).
+#[cold]
+fn record_mark(
+    stream: &CudaStream,
+    marks: &mut Vec<(&'static str, CudaEvent)>,
+    what: &'static str,
+) -> Result<(), DriverError> {
+    let ev = stream.context().new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))?;
+    ev.record(stream)?;
+    marks.push((what, ev));
+    Ok(())
+}
+
 /// What the decode attention needs to do RoPE itself ([`Kernels::attn`] with `rope`): the
 /// inputs of [`Kernels::rope_qkv`] (null regions for the optional bias and norms).
 #[derive(Clone, Copy)]
@@ -207,6 +217,10 @@ pub(crate) struct AttnRope<'a> {
     pub k_norm: Region<'a, u16>,
     pub inv_freq: Region<'a, f32>,
     pub eps: f32,
+    /// Copy the split's past K/V rows to shared memory before the programmatic-launch wait
+    /// (`plan::attn_warps` says when; the launch then gets `plan::attn_early_bytes` of dynamic
+    /// shared memory).
+    pub early: bool,
 }
 
 /// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs,
@@ -248,7 +262,7 @@ pub(crate) struct Kernels {
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
-    pub(crate) marks: RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
+    pub(crate) marks: RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -627,6 +641,8 @@ impl Kernels {
             b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
         }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
+        let mut c = cfg(grid, 32 * warps);
+        c.shared_mem_bytes = crate::plan::attn_early_bytes(warps, rope.as_ref().is_some_and(|r| r.early));
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
@@ -640,8 +656,10 @@ impl Kernels {
         // the split holding position pos < capacity; the kernel checks) writes cache row
         // [kvh][pos][0..hd) in both caches, a row no block of the launch reads; there the
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
-        // follow in that order.
-        unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
+        // follow in that order. The early copies (rope with `early`) write only the launch's
+        // dynamic shared memory, 2 * ATTN_EARLY_ROWS 16-byte chunks per thread, which is what
+        // attn_early_bytes gives (the kernel checks %dynamic_smem_size before using it).
+        unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
 
@@ -1026,6 +1044,9 @@ impl Kernels {
             )
         }
         .map_err(Error::cublas("gemm"))?;
+        if let Some(marks) = self.marks.borrow_mut().as_mut() {
+            record_mark(&self.stream, marks, "cublas_gemm").map_err(Error::driver("profile event"))?;
+        }
         Ok(())
     }
 }

@@ -868,27 +868,36 @@ impl CudaDecodeRunner {
     /// Runs [`decode_step`](Self::decode_step) with a CUDA event recorded after every kernel
     /// launch and returns, per launch in order, the kernel's name and the GPU time from the
     /// previous event (the step's start for the first) to the end of that kernel, in µs; a
-    /// last entry `"(end)"` covers what follows the last kernel launch. Work between two of
-    /// ferrum's kernels (cuBLAS, the reducer's collectives, the step upload) is counted in the
-    /// next kernel's time. The events serialise the kernels (no programmatic overlap), so the
-    /// total is at least the normal step time: use it to see where a step's time goes, not to
-    /// time it.
+    /// last entry `"(end)"` covers what follows the last kernel launch. cuBLAS GEMMs get their
+    /// own entries (`"cublas_gemm"`); other work between two of ferrum's kernels (the
+    /// reducer's collectives, the step upload) is counted in the next kernel's time. The events
+    /// serialise the kernels (no programmatic overlap), so the total is at least the normal
+    /// step time: use it to see where a step's time goes, not to time it.
     pub fn profile_decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<Vec<(&'static str, f64)>> {
+        self.profile(|r| r.decode_step(seq, token, position).map(|_| ()))
+    }
+
+    /// [`prefill`](Self::prefill) profiled like [`profile_decode_step`](Self::profile_decode_step).
+    pub fn profile_prefill(&mut self, seq: u64, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
+        self.profile(|r| r.prefill(seq, tokens).map(|_| ()))
+    }
+
+    fn profile(&mut self, run: impl FnOnce(&mut Self) -> Result<()>) -> Result<Vec<(&'static str, f64)>> {
         let ctx = self.ctx.clone();
         let ev = |what: &'static str| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver(what));
         let start = ev("profile start event")?;
         start.record(&self.k.stream).map_err(Error::driver("profile start event"))?;
         *self.k.marks.borrow_mut() = Some(Vec::new());
-        let stepped = self.decode_step(seq, token, position).map(|_| ());
+        let ran = run(self);
         let marks = self.k.marks.borrow_mut().take().unwrap_or_default();
-        stepped?;
+        ran?;
         let end = ev("profile end event")?;
         end.record(&self.k.stream).map_err(Error::driver("profile end event"))?;
         end.synchronize().map_err(Error::driver("profile end event"))?;
         let mut out = Vec::with_capacity(marks.len() + 1);
         let mut prev = &start;
-        for (k, e) in &marks {
-            out.push((k.name(), f64::from(prev.elapsed_ms(e).map_err(Error::driver("profile event"))?) * 1e3));
+        for (name, e) in &marks {
+            out.push((*name, f64::from(prev.elapsed_ms(e).map_err(Error::driver("profile event"))?) * 1e3));
             prev = e;
         }
         out.push(("(end)", f64::from(prev.elapsed_ms(&end).map_err(Error::driver("profile event"))?) * 1e3));
@@ -1326,8 +1335,9 @@ fn forward(
         )?;
     }
     let splits = if decode { seq.n_splits } else { 1 };
-    // Decode: enough warps to hold a whole split in registers (plan::attn_warps).
-    let attn_warps = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { 4 };
+    // Decode: warps, and whether the fused kernel copies its split's rows before the
+    // programmatic-launch wait (plan::attn_warps).
+    let (attn_warps, early) = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { (4, false) };
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
@@ -1362,6 +1372,7 @@ fn forward(
             k_norm: opt(&lw.k_norm, st)?,
             inv_freq: whole(inv_freq, st)?,
             eps,
+            early,
         };
         let fused_rope = k.fuse_rope && decode && n == 1;
         if !fused_rope {
