@@ -249,7 +249,7 @@ __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_al
 // visible. Its only dependency (the QKV projection) writes neither the position (the previous
 // step's argmax, or a host copy, wrote it) nor the cache (rows below pos were written by
 // earlier attention launches, row pos is never read here), and the loads go through L2.
-template <typename T, int HD, bool ROPE>
+template <typename T, int HD, bool ROPE, bool EARLY>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
@@ -286,7 +286,9 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // The copies go to the launch's dynamic shared memory; the host gives it (2 * ER chunks
     // per thread) only when the whole split fits in the early rows (plan::attn_warps): for
     // long splits the buffer would cost more occupancy than the early rows save.
-    constexpr int ER = ROPE && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
+    // A separate instance (EARLY, ferrum_attn_rope_early_*): its buffer handling costs ~40
+    // registers, which would halve the blocks resident per multiprocessor for long contexts.
+    constexpr int ER = ROPE && EARLY && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
     uint32_t dyn_bytes = 0;
     if (ER > 0) asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
     const bool early = ER > 0 && dyn_bytes >= 2u * ER * blockDim.x * (uint32_t)sizeof(uint4);
@@ -479,7 +481,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         merge_splits(out, part_acc, part_ml, counters + (size_t)tok * heads + h, heads, HD, n_splits);
 }
 
-template <typename T, bool ROPE>
+template <typename T, bool ROPE, bool EARLY = false>
 __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
                      float *part_acc, float *part_ml, uint32_t *counters,
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
@@ -490,27 +492,27 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
     extern __shared__ uint4 s_early[];
     switch (hd) {
     case 16:
-        attn_impl<T, 16, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 16, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                          kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 32:
-        attn_impl<T, 32, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 32, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                          kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 64:
-        attn_impl<T, 64, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 64, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 96:
-        attn_impl<T, 96, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 96, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 128:
-        attn_impl<T, 128, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 128, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     case 256:
-        attn_impl<T, 256, ROPE>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+        attn_impl<T, 256, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
                         kv_heads, capacity, scale, smem, s_early, rope);
         break;
     default:
@@ -778,6 +780,16 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         FERRUM_PDL_ENTRY();                                                                        \
         attn_prefill<T>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, hd,  \
                         capacity, scale);                                                          \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) ferrum_attn_rope_early_##S(                  \
+        const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
+        float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
+        int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
+        const float *inv_freq, float eps) {                                                        \
+        /* attn_impl runs FERRUM_PDL_ENTRY, after its early copies */                              \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        attn<T, true, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters,     \
+                            pos_base, heads, kv_heads, hd, capacity, scale, rope);                 \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \

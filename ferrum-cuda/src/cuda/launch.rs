@@ -630,9 +630,11 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
-        let kernel = match rope_args {
-            None => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
-            Some(_) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+        let early = rope.as_ref().is_some_and(|r| r.early);
+        let kernel = match (&rope_args, early) {
+            (None, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
+            (Some(_), true) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
+            (Some(_), false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
         };
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
@@ -642,7 +644,7 @@ impl Kernels {
         }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
         let mut c = cfg(grid, 32 * warps);
-        c.shared_mem_bytes = crate::plan::attn_early_bytes(warps, rope.as_ref().is_some_and(|r| r.early));
+        c.shared_mem_bytes = crate::plan::attn_early_bytes(warps, early);
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
@@ -656,9 +658,10 @@ impl Kernels {
         // the split holding position pos < capacity; the kernel checks) writes cache row
         // [kvh][pos][0..hd) in both caches, a row no block of the launch reads; there the
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
-        // follow in that order. The early copies (rope with `early`) write only the launch's
-        // dynamic shared memory, 2 * ATTN_EARLY_ROWS 16-byte chunks per thread, which is what
-        // attn_early_bytes gives (the kernel checks %dynamic_smem_size before using it).
+        // follow in that order. The early copies (rope with `early`: the `_early` kernel, same
+        // signature) write only the launch's dynamic shared memory, 2 * ATTN_EARLY_ROWS
+        // 16-byte chunks per thread, which is what attn_early_bytes gives (the kernel checks
+        // %dynamic_smem_size before using it).
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
