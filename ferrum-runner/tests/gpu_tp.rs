@@ -561,7 +561,8 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     assert_eq!(prof.last().map(|x| x.0), Some("(end)"));
     let count = |name: &str| prof.iter().filter(|(k, _)| *k == name).count();
     assert_eq!(count("ferrum_rope_qkv_bf16"), 0, "{prof:?}");
-    assert_eq!(count("ferrum_attn_rope_bf16"), cfg.num_layers, "{prof:?}");
+    // (the `_early` instance when the split fits in its early rows, as this short one does)
+    assert_eq!(count("ferrum_attn_rope_bf16") + count("ferrum_attn_rope_early_bf16"), cfg.num_layers, "{prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");
     assert!(prof.iter().map(|x| x.1).sum::<f64>() > 0.0);
     // The next (unprofiled) step continues from the profiled one.
