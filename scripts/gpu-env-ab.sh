@@ -12,6 +12,7 @@ set -u
 export NCCL_NVLS_ENABLE=0
 RET=${OUT:-/tmp/ferrum-gpu-out}
 mkdir -p "$RET"
+sh bundle/unpack.sh || exit 1  # the executables come gzipped (cargo xtask gpu-bundle)
 
 for m in ${MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
     for round in $(seq "${ROUNDS:-2}"); do

@@ -15,6 +15,7 @@ RET=${OUT:-/tmp/ferrum-gpu-out}
 OUT=${LOGS:-/tmp/ferrum-gpu-logs}
 mkdir -p "$OUT" "$RET"
 B=bundle
+sh bundle/unpack.sh || exit 1  # the executables come gzipped (cargo xtask gpu-bundle)
 # The summary goes straight to $RET, so a run cut short by a time limit still returns it.
 S=$RET/summary.txt
 : > "$S"
