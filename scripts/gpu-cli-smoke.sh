@@ -3,6 +3,7 @@
 # weights + a tiny trained byte-level BPE), against `--device cpu --dtype f32` on the same folder.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+sh bundle/unpack.sh || exit 1  # the executables come gzipped (cargo xtask gpu-bundle)
 M=/tmp/ferrum-cli-model
 rm -rf $M
 python3 scripts/hf_random_model.py --arch qwen2 --untied --dtype bfloat16 --with-tokenizer --device cuda --out $M 2>&1 | tail -1

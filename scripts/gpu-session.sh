@@ -8,13 +8,14 @@
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
 #   (also SKIP_SUITE, SKIP_MEMCHECK, SKIP_TPCLI, SKIP_NOPDL, SKIP_NOFUSE, SKIP_PROFILE, SKIP_LONG,
-#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA)
+#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/ferrum-gpu-out}
 OUT=${LOGS:-/tmp/ferrum-gpu-logs}
 mkdir -p "$OUT" "$RET"
 B=bundle
+sh bundle/unpack.sh || exit 1  # the executables come gzipped (cargo xtask gpu-bundle)
 # The summary goes straight to $RET, so a run cut short by a time limit still returns it.
 S=$RET/summary.txt
 : > "$S"
@@ -42,8 +43,9 @@ grep -E "^(== |test result|RUNNER|HF |CUDA-|LONG|NCCL|GRAPH)|FAIL|panicked|TP2 v
 
 fi
 if [ -z "${SKIP_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+    # MEMCHECK_FILTER: test names to run under memcheck (default: all of gpu-tests-cuda).
     timeout ${MEMCHECK_TIMEOUT:-150} compute-sanitizer --tool memcheck --error-exitcode 9 "$B/gpu-tests-cuda" --ignored --test-threads=1 \
-        >"$OUT/memcheck.log" 2>&1
+        ${MEMCHECK_FILTER:-} >"$OUT/memcheck.log" 2>&1
     say "== memcheck (gpu-tests-cuda) exit: $? ; $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)"
 fi
 

@@ -5,6 +5,7 @@
 # texts and whether they agree. Needs bundle/ferrum and two GPUs.
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+sh bundle/unpack.sh || exit 1  # the executables come gzipped (cargo xtask gpu-bundle)
 M=/tmp/ferrum-tp-model
 T=/tmp/ferrum-tp-out
 rm -rf $M $T; mkdir -p $T

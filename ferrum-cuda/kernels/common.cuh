@@ -27,14 +27,18 @@ typedef __nv_bfloat16 bf16;
 // GEMVs load their first weight chunks ahead of FERRUM_PDL_ENTRY() (see gemv.cu), so while the
 // previous kernel finishes, the next one's weight stream is already in flight. Weights are
 // written only by host copies and init kernels that complete (stream order plus a synchronize)
-// before any decode kernel is launched, so those early reads see final values.
+// before any decode kernel is launched, so those early reads see final values. The fused
+// decode attention also reads the position and past KV-cache rows early; attention.cu says
+// why that is safe (FERRUM_HAS_PDL: only the build with the wait does so).
 #if defined(FERRUM_PDL) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define FERRUM_HAS_PDL 1
 #define FERRUM_PDL_ENTRY()                                                                         \
     do {                                                                                           \
         asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                            \
     } while (0)
 #else
+#define FERRUM_HAS_PDL 0
 #define FERRUM_PDL_ENTRY() \
     do {                   \
     } while (0)

@@ -15,13 +15,20 @@
 __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
 // ROWS rows per warp (2 or 4): more rows share each load of x, fewer warps stream W.
+// Split-K: the block is (32 * groups, KS) threads; the KS warps with the same threadIdx.x >> 5
+// share one row group, warp k (threadIdx.y) taking the 32-chunk stripes k, k + KS, k + 2 KS, ...
+// of the columns; their warp sums are added in k order through shared memory. KS = 1 is the
+// plain layout. Shapes with few rows get KS > 1 so that enough warps stream W to keep the
+// memory busy (the host picks KS from the shape alone, so a shape's result never depends on
+// timing).
 // GATEUP = false: warp w computes rows ROWS*w .. ROWS*w + ROWS - 1 of y = W x (`rows` rows).
 // GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes OUT = ROWS/2 outputs
 // o = OUT*w + j: gate row o and up row rows + o, and writes y[o] = silu(gate . x) * (up . x)
 // (SiLU-mul fused into the projection).
-// Every variant computes each row's dot product in the same order (lane l takes chunks l,
-// l + 32, ...; then the same warp reduction), so all variants give bit-identical results:
-// the runner may pick the fastest per shape without changing the output.
+// For a given KS every variant computes each row's dot product in the same order (lane l of
+// warp k takes chunks l + 32 k, l + 32 (k + KS), ...; then the same warp reduction and the
+// same k-order sum), so the ROWS and block-size variants give bit-identical results: the
+// runner may pick the fastest per shape without changing the output.
 // NORM / RES: the fusions above. Each lane accumulates ss over the same chunks in the same
 // order in every variant, so the variants stay bit-identical with them too.
 // One 16-byte chunk c of every row: acc[r] += W[r][8c..8c+8] . x[8c..8c+8] (times the norm
@@ -74,14 +81,21 @@ template <int ROWS> struct GemvPrefetch {
     static constexpr int UNROLL = 8 / ROWS;
 };
 
+// Block shape limits of the split-K layout: (32 * groups, ks) threads, groups * ks <= 8.
+#define GEMV_MAX_GROUPS 8
+#define GEMV_MAX_KS 8
+
 template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
                      float eps) {
     constexpr int OUT = GATEUP ? ROWS / 2 : ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int ks = blockDim.y, kw = threadIdx.y;  // split-K: warp kw of the group's ks
     const int wg = blockIdx.x * nw + warp;
     const int o0 = wg * OUT;
-    if (o0 >= rows) return;  // touches no memory: leaving before the wait is fine
+    // Touches no memory: leaving before the wait is fine. The ks warps of a group share o0,
+    // so they leave together (the group barrier below never waits for a warp that left).
+    if (o0 >= rows) return;
     size_t row_idx[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -104,14 +118,15 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     const uint4 *w4[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) w4[r] = reinterpret_cast<const uint4 *>(W + row_idx[r] * cols);
-    // Lane l takes chunks l, l + 32, ...: the first PF of them are loaded now, before the wait
+    // Lane l of warp kw takes chunks l + 32 kw, l + 32 (kw + ks), ...: the first PF of them
+    // are loaded now, before the wait
     // (weights are never written by a kernel of the decode stream: common.cuh), with
     // ldg_early so that they stay ahead of it.
     constexpr int PF = GemvPrefetch<ROWS>::CHUNKS;
     uint4 pre[PF][ROWS];
 #pragma unroll
     for (int u = 0; u < PF; ++u) {
-        const int c = lane + 32 * u;
+        const int c = lane + 32 * (kw + ks * u);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) pre[u][r] = vec && c < n8 ? ldg_early(w4[r] + c) : make_uint4(0, 0, 0, 0);
     }
@@ -120,18 +135,18 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
 #pragma unroll
         for (int u = 0; u < PF; ++u) {
-            const int c = lane + 32 * u;
+            const int c = lane + 32 * (kw + ks * u);
             if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
         }
 #pragma unroll (GemvPrefetch<ROWS>::UNROLL)
-        for (int c = lane + 32 * PF; c < n8; c += 32) {
+        for (int c = lane + 32 * (kw + ks * PF); c < n8; c += 32 * ks) {
             uint4 wv[ROWS];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(w4[r] + c);
             gemv_chunk<T, ROWS, NORM>(acc, ss, wv, x4, norm_w, c);
         }
     } else {
-        for (int c = lane; c < cols; c += 32) {
+        for (int c = lane + 32 * kw; c < cols; c += 32 * ks) {
             float xv = x[c];
             if (NORM) {
                 ss = fmaf(xv, xv, ss);
@@ -143,8 +158,34 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (NORM) ss = warp_sum(ss);
+    if (ks > 1) {
+        // The group's ks warp sums, added in k order by warp 0 of the group. Named barrier
+        // 1 + warp (0 is __syncthreads') over the group's ks * 32 threads only: every group of
+        // the block has its own slots and its own barrier, and groups that left early (o0 >=
+        // rows, all ks warps together) are not waited for.
+        __shared__ float s_part[GEMV_MAX_GROUPS][GEMV_MAX_KS][ROWS + 1];
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) s_part[warp][kw][r] = acc[r];
+            s_part[warp][kw][ROWS] = ss;
+        }
+        asm volatile("bar.sync %0, %1;" ::"r"(1 + warp), "r"(ks * 32) : "memory");
+        if (kw != 0) return;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            float a = 0.0f;
+            for (int k = 0; k < ks; ++k) a += s_part[warp][k][r];
+            acc[r] = a;
+        }
+        if (NORM) {
+            float a = 0.0f;
+            for (int k = 0; k < ks; ++k) a += s_part[warp][k][ROWS];
+            ss = a;
+        }
+    }
     if (NORM) {
-        const float rn = rsqrtf(warp_sum(ss) / (float)cols + eps);
+        const float rn = rsqrtf(ss / (float)cols + eps);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[r] *= rn;
     }

@@ -58,6 +58,12 @@ kernels! {
     /// Decode attention (one token) with rope_qkv's work inside it (the "rope" fusion).
     AttnRopeF16 => "ferrum_attn_rope_f16" in "attention",
     AttnRopeBf16 => "ferrum_attn_rope_bf16" in "attention",
+    /// The same, copying the split's past K/V rows to shared memory before its wait.
+    AttnRopeEarlyF16 => "ferrum_attn_rope_early_f16" in "attention",
+    AttnRopeEarlyBf16 => "ferrum_attn_rope_early_bf16" in "attention",
+    /// Prefill attention on tensor cores (head dims 16..=128).
+    AttnPrefillF16 => "ferrum_attn_prefill_f16" in "attention",
+    AttnPrefillBf16 => "ferrum_attn_prefill_bf16" in "attention",
     /// Combine of the split-KV partials.
     AttnCombineF16 => "ferrum_attn_combine_f16" in "attention",
     AttnCombineBf16 => "ferrum_attn_combine_bf16" in "attention",

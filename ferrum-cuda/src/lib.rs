@@ -11,6 +11,7 @@
 
 mod error;
 mod kernel_list;
+pub mod plan;
 mod spec;
 
 /// The embedded PTX modules (built by `cargo xtask ptx`; do not edit the `.ptx` files).

@@ -5,7 +5,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use ferrum_cuda::{
-    CudaDecodeRunner, CudaModelSpec, DType, Error, HostData, HostLayer, HostTensor, HostWeights, Projection,
+    CudaDecodeRunner, CudaModelSpec, DType, Error, Fusion, HostData, HostLayer, HostTensor, HostWeights, Projection,
+    SUPPORTED_HEAD_DIMS,
 };
 use std::time::Instant;
 
@@ -660,4 +661,121 @@ fn synthetic_llama3_8b_speed() {
             weight_bytes / 1e9
         );
     }
+}
+
+/// The decode attention for every supported head dim and both dtypes, with and without RoPE
+/// inside it, against the CPU reference: one split walking a 600-row cache (two 512-row
+/// tiles), and five splits. Bias and q/k norms are both on, so every step of the fused RoPE
+/// runs. The fused and unfused logits must also be equal bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_every_head_dim() {
+    let (prompt, steps) = (600, 6);
+    let mut failures = Vec::new();
+    for &hd in SUPPORTED_HEAD_DIMS {
+        let a = Arch {
+            name: "hd",
+            bias: true,
+            qk_norm: true,
+            tied: false,
+            head_dim: hd,
+            heads: 4,
+            kv_heads: 2,
+            hidden: 128,
+            inter: 256,
+            layers: 2,
+            vocab: 300,
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            let (s, w, _) = build(a, dtype, 5);
+            let mut rf = Ref::new(&s, &w);
+            let mut rng = Rng(17);
+            let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
+            let mut want = Vec::new();
+            for &t in &toks {
+                want = rf.step(t);
+            }
+            // The reference's greedy continuation, and its logits per step.
+            let mut refs = Vec::new();
+            let mut fed = Vec::new();
+            for _ in 0..steps {
+                let next = argmax(&want);
+                fed.push(next);
+                want = rf.step(next);
+                refs.push(want.clone());
+            }
+            for splits in [1usize, 5] {
+                let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+                // Only the RoPE fusion differs (the norm fusion rounds differently by design).
+                for fusion in [Fusion::ALL, Fusion { rope: false, ..Fusion::ALL }] {
+                    let (_, _, mut r) = build(a, dtype, 5);
+                    r.set_fusion(fusion);
+                    r.init_sequence(1, prompt + steps + 1).unwrap();
+                    r.set_attention_splits(1, splits).unwrap();
+                    r.prefill(1, &toks).unwrap();
+                    let mut got = Vec::new();
+                    let mut logits = Vec::new();
+                    let mut worst = 0.0f64;
+                    for (i, &t) in fed.iter().enumerate() {
+                        r.decode_step(1, t, prompt + i).unwrap();
+                        r.logits_to_host(&mut got).unwrap();
+                        worst = worst.max(rel_err(&got, &refs[i]));
+                        logits.push(got.clone());
+                    }
+                    println!(
+                        "ATTN hd {hd:<3} {:<4} splits {splits} rope fused {:<5}: max rel err {worst:.2e} (tol {:.0e})",
+                        dtype.name(),
+                        fusion.rope,
+                        tol(dtype)
+                    );
+                    if worst > tol(dtype) {
+                        failures.push(format!("hd {hd} {dtype:?} splits {splits} {fusion:?}: rel err {worst:.3e}"));
+                    }
+                    runs.push(logits);
+                }
+                let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+                if bits(&runs[0]) != bits(&runs[1]) {
+                    failures.push(format!("hd {hd} {dtype:?} splits {splits}: fused RoPE not bit-identical"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+}
+
+/// Split-K GEMVs (several warps per row group, each over its own column stripes, summed in a
+/// fixed order): a model wide enough that every projection splits (hidden 512: two stripes of
+/// 256 columns; intermediate 2048: the cap of 4), in both dtypes and through every GEMV
+/// variant (plain, norm, residual, gate|up with norm), against the CPU reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn split_k_gemv_matches_reference() {
+    let a = Arch {
+        name: "wide",
+        bias: true,
+        qk_norm: false,
+        tied: false,
+        head_dim: 64,
+        heads: 8,
+        kv_heads: 4,
+        hidden: 512,
+        inter: 2048,
+        layers: 2,
+        vocab: 1000,
+    };
+    let (_, _, r) = build(a, DType::BF16, 3);
+    let choices = r.gemv_choices();
+    println!("SPLITK choices {choices:?}");
+    assert!(
+        choices.iter().any(|c| c.3.ends_with("/k2")) && choices.iter().any(|c| c.3.ends_with("/k4")),
+        "expected split-K factors 2 and 4 among {choices:?}"
+    );
+    let mut failures = Vec::new();
+    for dtype in [DType::BF16, DType::F16] {
+        match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
+            Ok(e) => println!("SPLITK {}: max rel err {e:.2e} (tol {:.0e})", dtype.name(), tol(dtype)),
+            Err(m) => failures.push(m),
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
 }

@@ -46,6 +46,13 @@ pub trait DecodeBackend {
         Ok(None)
     }
 
+    /// Runs [`prefill`](Self::prefill) timing every kernel (cuBLAS GEMMs as `cublas_gemm`), as
+    /// [`profile_step`](Self::profile_step) does for a step. `None` where there is nothing to
+    /// profile; the prompt is then not fed.
+    fn profile_prefill(&mut self, _tokens: &[u32], _capacity: usize) -> Result<Option<Vec<(&'static str, f64)>>> {
+        Ok(None)
+    }
+
     /// Whether [`decode_on_device`](Self::decode_on_device) works here (CUDA backends).
     fn has_device_decode(&self) -> bool {
         false

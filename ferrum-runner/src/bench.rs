@@ -114,6 +114,10 @@ struct Report {
     /// `--kernel-profile`: GPU time per kernel of one profiled decode step, largest first.
     #[serde(skip_serializing_if = "Option::is_none")]
     kernel_profile: Option<Vec<KernelRow>>,
+    /// `--kernel-profile`: the same for one prefill of the prompt (cuBLAS GEMMs as
+    /// `cublas_gemm`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefill_kernel_profile: Option<Vec<KernelRow>>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -202,6 +206,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             step_ms.extend(steps);
         }
     }
+    let prefill_kernel_profile =
+        if a.kernel_profile { backend.profile_prefill(&prompt, capacity)?.map(|p| kernel_rows(&p)) } else { None };
     let kernel_profile = if a.kernel_profile {
         let logits = backend.prefill(&prompt, capacity)?;
         let mut tok = argmax(&logits);
@@ -249,6 +255,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         host_us_per_token: (replays > 0).then(|| enqueue_s / replays as f64 * 1e6),
         capture_ms,
         kernel_profile,
+        prefill_kernel_profile,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -268,9 +275,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
             println!("copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it", f * 100.0);
         }
-        if let Some(rows) = &r.kernel_profile {
+        for (what, rows) in [("one decode step", &r.kernel_profile), ("one prefill", &r.prefill_kernel_profile)] {
+            let Some(rows) = rows else { continue };
             let total: f64 = rows.iter().map(|r| r.total_us).sum();
-            println!("kernel profile        one decode step, {total:.1} µs with an event after every kernel:");
+            println!("kernel profile        {what}, {total:.1} µs with an event after every kernel:");
             for k in rows {
                 println!(
                     "  {:<34} {:>4} × {:>8.2} µs = {:>9.1} µs  {:>5.1}%",

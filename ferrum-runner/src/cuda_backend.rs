@@ -211,6 +211,17 @@ pub struct CudaBackend {
 const SEQ: u64 = 0;
 
 impl CudaBackend {
+    /// Releases the current sequence (if any) and starts a new one of `capacity` tokens.
+    fn new_sequence(&mut self, capacity: usize) -> Result<()> {
+        if self.active {
+            self.rank.runner().release(SEQ).map_err(cuda_error)?;
+            self.active = false;
+        }
+        self.rank.runner().init_sequence(SEQ, capacity).map_err(cuda_error)?;
+        self.active = true;
+        Ok(())
+    }
+
     /// Wraps a runner.
     pub fn new(runner: CudaDecodeRunner) -> Self {
         let label = match runner.device_info() {
@@ -239,16 +250,18 @@ impl DecodeBackend for CudaBackend {
     }
 
     fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
-        if self.active {
-            self.rank.runner().release(SEQ).map_err(cuda_error)?;
-            self.active = false;
-        }
-        self.rank.runner().init_sequence(SEQ, capacity).map_err(cuda_error)?;
-        self.active = true;
+        self.new_sequence(capacity)?;
         self.rank.runner().prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
         self.rank.runner().logits_to_host(&mut self.logits).map_err(cuda_error)?;
         Ok(self.logits.clone())
+    }
+
+    fn profile_prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Option<Vec<(&'static str, f64)>>> {
+        self.new_sequence(capacity)?;
+        let p = self.rank.runner().profile_prefill(SEQ, tokens).map_err(cuda_error)?;
+        self.pos = tokens.len();
+        Ok(Some(p))
     }
 
     fn step(&mut self, token: u32) -> Result<Vec<f32>> {

@@ -4,6 +4,7 @@
 use super::DevBuf;
 use crate::error::{Error, Result};
 use crate::kernel_list::Kernel;
+use crate::plan::GEMV_MAX_KS;
 use crate::ptx;
 use crate::spec::{DType, Fusion};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -77,7 +78,11 @@ fn grid1(n: usize) -> Result<u32> {
 }
 
 fn cfg(grid: (u32, u32, u32), block: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+    cfg_2d(grid, (block, 1, 1))
+}
+
+fn cfg_2d(grid: (u32, u32, u32), block: (u32, u32, u32)) -> LaunchConfig {
+    LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: 0 }
 }
 
 fn pick(dtype: DType, f16: Kernel, bf16: Kernel) -> Kernel {
@@ -121,7 +126,7 @@ pub(crate) struct Launch<'a> {
     n: usize,
     pdl: bool,
     /// When profiling ([`Kernels::marks`] is `Some`), an event is recorded after the launch.
-    marks: &'a RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
+    marks: &'a RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 impl<'a> Launch<'a> {
@@ -176,12 +181,8 @@ impl<'a> Launch<'a> {
 
     /// Profiling only (cold): records an event after this launch.
     #[cold]
-    fn mark_slow(&self, marks: &mut Vec<(Kernel, CudaEvent)>) -> Result<(), DriverError> {
-        // Timing events (the default flags; `None` would disable timing).
-        let ev = self.stream.context().new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))?;
-        ev.record(self.stream)?;
-        marks.push((self.kernel, ev));
-        Ok(())
+    fn mark_slow(&self, marks: &mut Vec<(&'static str, CudaEvent)>) -> Result<(), DriverError> {
+        record_mark(self.stream, marks, self.kernel.name())
     }
 
     #[inline]
@@ -193,6 +194,20 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// Profiling only (cold): records a timing event named `what` on `stream` (the default flags;
+/// `None` would disable timing).
+#[cold]
+fn record_mark(
+    stream: &CudaStream,
+    marks: &mut Vec<(&'static str, CudaEvent)>,
+    what: &'static str,
+) -> Result<(), DriverError> {
+    let ev = stream.context().new_event(Some(cu::CUevent_flags::CU_EVENT_DEFAULT))?;
+    ev.record(stream)?;
+    marks.push((what, ev));
+    Ok(())
+}
+
 /// What the decode attention needs to do RoPE itself ([`Kernels::attn`] with `rope`): the
 /// inputs of [`Kernels::rope_qkv`] (null regions for the optional bias and norms).
 #[derive(Clone, Copy)]
@@ -202,7 +217,18 @@ pub(crate) struct AttnRope<'a> {
     pub k_norm: Region<'a, u16>,
     pub inv_freq: Region<'a, f32>,
     pub eps: f32,
+    /// Copy the split's past K/V rows to shared memory before the programmatic-launch wait
+    /// (`plan::attn_warps` says when; the launch then gets `plan::attn_early_bytes` of dynamic
+    /// shared memory).
+    pub early: bool,
 }
+
+/// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs,
+/// unless `FERRUM_FUSED_NORMS_MAX_HIDDEN` says otherwise. Measured on an H200 (bf16, `ferrum
+/// bench`, fused vs `FERRUM_FUSE=0`, session 9, before the GEMVs loaded weights ahead of the
+/// programmatic-launch wait): hidden 576 (135M) +15%, 2048 (1B) +5%, 4096 (8B) −10%, so
+/// wider models keep the separate add + RMSNorm kernels.
+pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
 
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
@@ -224,10 +250,19 @@ pub(crate) struct Kernels {
     /// Decode steps (one token) do RoPE and the K/V append inside the attention kernel
     /// (`ferrum_attn_rope_*`; bit-identical to the separate rope kernel).
     pub(crate) fuse_rope: bool,
+    /// The widest hidden size whose one-GPU decode fuses the norms into the GEMVs
+    /// ([`FUSED_NORMS_MAX_HIDDEN`], or `FERRUM_FUSED_NORMS_MAX_HIDDEN`).
+    pub(crate) norms_max_hidden: usize,
+    /// `FERRUM_GEMV_SPLIT_K`: the largest GEMV split-K factor (1 turns split-K off; default
+    /// `plan::GEMV_MAX_KS`).
+    pub(crate) gemv_max_ks: u32,
+    /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
+    /// the capacity).
+    pub(crate) attn_splits: Option<usize>,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
-    pub(crate) marks: RefCell<Option<Vec<(Kernel, CudaEvent)>>>,
+    pub(crate) marks: RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -248,13 +283,16 @@ pub(crate) enum GemvIo<'a> {
     AddTo,
 }
 
-/// How a batch-1 GEMV is launched: rows per warp (2 or 4) and threads per block. Every variant
-/// computes each dot product in the same order, so all give bit-identical results (see
-/// gemv.cu); the runner times them per shape at start-up and keeps the fastest.
+/// How a batch-1 GEMV is launched: rows per warp (2 or 4), threads per block, and the split-K
+/// factor `ks` (warps sharing one row group, each over its own column stripes; see gemv.cu).
+/// For one `ks`, every variant computes each dot product in the same order, so all give
+/// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k`, and the runner times the
+/// rest per shape at start-up and keeps the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct GemvVariant {
     pub(crate) rows4: bool,
     pub(crate) block: u32,
+    pub(crate) ks: u32,
 }
 
 impl Default for GemvVariant {
@@ -273,23 +311,37 @@ impl GemvVariant {
             (true, true) => 2,
         }
     }
+    /// Row groups per block (each `ks` warps).
+    fn groups(self) -> usize {
+        (self.block / 32 / self.ks).max(1) as usize
+    }
     fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
-        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * (self.block as usize / 32)))
+        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * self.groups()))
+    }
+    /// Block shape: `(32 * groups, ks)`.
+    fn block_dim(self) -> (u32, u32, u32) {
+        (32 * self.groups() as u32, self.ks, 1)
     }
 }
 
-/// The GEMV launch variants the runner chooses from.
+/// The GEMV launch variants the runner chooses from (with the shape's `ks`).
 pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
-    GemvVariant { rows4: false, block: 256 },
-    GemvVariant { rows4: false, block: 128 },
-    GemvVariant { rows4: true, block: 256 },
-    GemvVariant { rows4: true, block: 128 },
+    GemvVariant { rows4: false, block: 256, ks: 1 },
+    GemvVariant { rows4: false, block: 128, ks: 1 },
+    GemvVariant { rows4: true, block: 256, ks: 1 },
+    GemvVariant { rows4: true, block: 128, ks: 1 },
 ];
 
 /// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
 pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
 pub(crate) const ATTN_MAX_WARPS: u32 = 8;
+/// Largest head dim of the tensor-core prefill attention (attention.cu's `PF_SMEM_BYTES`).
+pub(crate) const PREFILL_MAX_HEAD_DIM: usize = 128;
+/// Query rows per block and threads per block of the prefill attention (attention.cu's
+/// `PF_BM` and `PF_WARPS * 32`).
+const PREFILL_ROWS_PER_BLOCK: usize = 32;
+const PREFILL_THREADS: u32 = 64;
 
 impl Kernels {
     /// Loads the kernels for `ctx`'s GPU: the compute_90 PTX with programmatic dependent launch
@@ -323,7 +375,25 @@ impl Kernels {
                 ))
             })?,
         };
-        tracing::debug!(pdl, ?fusion, "kernels loaded");
+        // Measurement knobs (A/B runs; documented in the crate README): the widest hidden size
+        // whose decode fuses the norms, and a fixed KV split count for every sequence.
+        let knob = |name: &str, lo: usize, hi: usize| -> Result<Option<usize>> {
+            match std::env::var(name) {
+                Err(_) => Ok(None),
+                Ok(v) => match v.trim().parse::<usize>() {
+                    Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
+                    _ => Err(Error::InvalidArgument(format!("{name}={v:?}: expected a number in {lo}..={hi}"))),
+                },
+            }
+        };
+        let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
+        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
+        let gemv_max_ks = match knob("FERRUM_GEMV_SPLIT_K", 1, GEMV_MAX_KS as usize)? {
+            Some(n) if n.is_power_of_two() => n as u32,
+            Some(n) => return Err(Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2 or 4"))),
+            None => GEMV_MAX_KS,
+        };
+        tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, gemv_max_ks, "kernels loaded");
         Ok(Kernels {
             funcs,
             _modules: modules,
@@ -335,6 +405,9 @@ impl Kernels {
             fuse_merge: fusion.split_merge,
             fuse_norms: fusion.norms,
             fuse_rope: fusion.rope,
+            norms_max_hidden,
+            attn_splits,
+            gemv_max_ks,
             marks: RefCell::new(None),
         })
     }
@@ -557,9 +630,11 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
-        let kernel = match rope_args {
-            None => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
-            Some(_) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+        let early = rope.as_ref().is_some_and(|r| r.early);
+        let kernel = match (&rope_args, early) {
+            (None, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
+            (Some(_), true) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
+            (Some(_), false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
         };
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
@@ -568,6 +643,8 @@ impl Kernels {
             b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
         }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
+        let mut c = cfg(grid, 32 * warps);
+        c.shared_mem_bytes = crate::plan::attn_early_bytes(warps, early);
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
@@ -581,8 +658,75 @@ impl Kernels {
         // the split holding position pos < capacity; the kernel checks) writes cache row
         // [kvh][pos][0..hd) in both caches, a row no block of the launch reads; there the
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
-        // follow in that order.
-        unsafe { b.launch(cfg(grid, 32 * warps)) }.map_err(Error::driver("attn"))?;
+        // follow in that order. The early copies (rope with `early`: the `_early` kernel, same
+        // signature) write only the launch's dynamic shared memory, 2 * ATTN_EARLY_ROWS
+        // 16-byte chunks per thread, which is what attn_early_bytes gives (the kernel checks
+        // %dynamic_smem_size before using it).
+        unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
+        Ok(())
+    }
+
+    /// Causal attention of `n_tok` query rows (row stride `q_stride`, the first at position
+    /// `pos[0]`) over one layer's cache on tensor cores (attention.cu's
+    /// `ferrum_attn_prefill_*`): `out` `[n_tok][heads*head_dim]` f32. Head dims up to
+    /// [`PREFILL_MAX_HEAD_DIM`], multiples of 16.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_prefill(
+        &self,
+        q: Region<'_, f32>,
+        q_stride: usize,
+        k_cache: Region<'_, u16>,
+        v_cache: Region<'_, u16>,
+        out: Region<'_, f32>,
+        pos: Region<'_, u32>,
+        n_tok: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<()> {
+        if head_dim % 16 != 0 || head_dim > PREFILL_MAX_HEAD_DIM || kv_heads == 0 || heads % kv_heads != 0 {
+            return Err(Error::Internal(format!("attn_prefill: head_dim {head_dim}, heads {heads}/{kv_heads}")));
+        }
+        if n_tok == 0 || q_stride < heads * head_dim {
+            return Err(Error::Internal(format!("attn_prefill: {n_tok} tokens, q stride {q_stride}")));
+        }
+        let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn_prefill q")?;
+        let pk = k_cache.need(kv_heads * capacity * head_dim, "attn_prefill k cache")?;
+        let pv = v_cache.need(kv_heads * capacity * head_dim, "attn_prefill v cache")?;
+        let po = out.need(n_tok * heads * head_dim, "attn_prefill out")?;
+        let ppos = pos.need(1, "attn_prefill pos")?;
+        let (qs, nt, h, kvh, hd, cap) = (
+            i32_of(q_stride, "q_stride")?,
+            i32_of(n_tok, "n_tok")?,
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let scale = 1.0f32 / (head_dim as f32).sqrt();
+        let mut b = self.builder(pick(self.dtype, Kernel::AttnPrefillF16, Kernel::AttnPrefillBf16));
+        b.arg(&pq)
+            .arg(&qs)
+            .arg(&pk)
+            .arg(&pv)
+            .arg(&po)
+            .arg(&ppos)
+            .arg(&nt)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&cap)
+            .arg(&scale);
+        let grid = (heads as u32, grid1(n_tok.div_ceil(PREFILL_ROWS_PER_BLOCK))?, 1);
+        // SAFETY: block (h, b) reads the f32 q rows t = 32b .. 32b + 31 (t < n_tok) at
+        // t*q_stride + h*hd .. +hd, pos[0], and cache rows [kvh][0 .. min(pos[0] + t + 1,
+        // capacity)) (16-byte loads: cache regions start at multiples of head_dim elements of a
+        // 256-byte-aligned allocation, head_dim % 16 == 0); it writes the f32 out[t][h*hd .. +hd)
+        // for t < n_tok only. Extents checked above; blocks of PREFILL_ROWS_PER_BLOCK threads (2
+        // warps), as the kernel's PF_WARPS; signature (const f32*, int, const T*, const T*, f32*,
+        // const u32*, int x6, float) matches.
+        unsafe { b.launch(cfg(grid, PREFILL_THREADS)) }.map_err(Error::driver("attn_prefill"))?;
         Ok(())
     }
 
@@ -655,8 +799,10 @@ impl Kernels {
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(rows, false)?;
-        // SAFETY: each warp reads ROWS (2 or 4) consecutive rows of W (clamped to rows-1) over
-        // cols and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
+        // SAFETY: each group of ks warps (block (32 * groups, ks), groups * ks <= 8 as
+        // gemv.cu's shared slots assume: `GemvVariant::block_dim`) reads ROWS (2 or 4)
+        // consecutive rows of W (clamped to rows-1) over cols, each warp its column stripes,
+        // and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
         // cols, null and unread otherwise), and writes (the `_res` kernels read and write) the
         // f32 y[r] for r < rows only; extents checked above; y never overlaps x (distinct
         // activation buffers); signature (f32*, const T*, const f32*, int, int, const T*,
@@ -669,7 +815,7 @@ impl Kernels {
         // a host upload (synchronised per chunk) or an init kernel followed by a stream
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
         // never write weights.
-        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv"))?;
+        unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
 
@@ -715,13 +861,14 @@ impl Kernels {
         let mut b = self.builder(k);
         b.arg(&ph).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
         let grid = v.grid(inter, true)?;
-        // SAFETY: each warp computes outputs i < inter only (1 or 2 per warp), reading W rows i
+        // SAFETY: each group of ks warps (as in `gemv_io`) computes outputs i < inter only (1 or
+        // 2 per group), reading W rows i
         // and inter + i (clamped below inter and 2*inter) over cols and the f32 x over cols
         // (the `_norm` kernels also the dtype norm weight over cols; null and unread
         // otherwise), and writes the f32 h[i] for i < inter; extents checked above; signature
         // (f32*, const T*, const f32*, int, int, const T*, float) matches; alignment as for
         // `gemv_io`; W complete before the launch, as there (read before the wait).
-        unsafe { b.launch(cfg((grid, 1, 1), v.block)) }.map_err(Error::driver("gemv_gateup"))?;
+        unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
 
@@ -900,6 +1047,9 @@ impl Kernels {
             )
         }
         .map_err(Error::cublas("gemm"))?;
+        if let Some(marks) = self.marks.borrow_mut().as_mut() {
+            record_mark(&self.stream, marks, "cublas_gemm").map_err(Error::driver("profile event"))?;
+        }
         Ok(())
     }
 }

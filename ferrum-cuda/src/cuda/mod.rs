@@ -2,6 +2,7 @@
 mod launch;
 
 use crate::error::{Error, Result};
+use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -16,13 +17,12 @@ use std::sync::Arc;
 
 pub(crate) type DevBuf<T> = CudaSlice<T>;
 
+/// Prompt chunks of at least this many tokens take the tensor-core prefill attention (a
+/// 32-row query tile per block; shorter ones the row-walking kernel).
+const PREFILL_MIN_TOKENS: usize = 16;
+
 /// Tokens per prefill pass (longer prompts are processed in chunks of this many).
 pub const PREFILL_CHUNK: usize = 512;
-/// Most KV splits of the decode attention.
-pub const MAX_SPLITS: usize = 64;
-/// Target cache rows per split of the decode attention for long caches (see `init_sequence`;
-/// above `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
-const ATTN_ROWS_PER_SPLIT: usize = 128;
 
 fn unavailable(e: DriverError) -> Error {
     Error::Unavailable(e.to_string())
@@ -637,7 +637,7 @@ impl CudaDecodeRunner {
         // The GEMVs read weights before their programmatic-launch wait (common.cuh), so the
         // kernels that generated synthetic weights must be complete before the first GEMV.
         k.stream.synchronize().map_err(Error::driver("finishing the weights"))?;
-        tune_gemv(&ctx, &mut k, &spec, &w)?;
+        tune_gemv(&ctx, &mut k, &spec, &w, sms)?;
         let stream = k.stream.clone();
         let mut inv_freq = alloc::<f32>(&ctx, &stream, spec.rope_inv_freq.len(), "RoPE table")?;
         stream.memcpy_htod(&spec.rope_inv_freq, &mut inv_freq).map_err(Error::driver("uploading the RoPE table"))?;
@@ -731,13 +731,8 @@ impl CudaDecodeRunner {
         let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
         let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
         let history = alloc::<u32>(&self.ctx, &self.k.stream, capacity + 1, "token history")?;
-        // Fixed split count per sequence (the kernel spreads the current length over them): at
-        // least about two blocks per SM over the heads (at least 64 rows per split), and for long
-        // caches at most ATTN_ROWS_PER_SPLIT rows per split, so a warp walks at most a quarter of
-        // that; capped at MAX_SPLITS. Each warp's walk is a chain of dependent loads, so long
-        // contexts need many more warps in flight than two blocks per SM give.
-        let wide = (2 * self.sms).div_ceil(s.heads).min(capacity.div_ceil(64));
-        let n_splits = wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS);
+        let n_splits = attn_splits(capacity, s.heads, self.sms);
+        let n_splits = self.k.attn_splits.unwrap_or(n_splits);
         self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
     }
@@ -873,27 +868,36 @@ impl CudaDecodeRunner {
     /// Runs [`decode_step`](Self::decode_step) with a CUDA event recorded after every kernel
     /// launch and returns, per launch in order, the kernel's name and the GPU time from the
     /// previous event (the step's start for the first) to the end of that kernel, in µs; a
-    /// last entry `"(end)"` covers what follows the last kernel launch. Work between two of
-    /// ferrum's kernels (cuBLAS, the reducer's collectives, the step upload) is counted in the
-    /// next kernel's time. The events serialise the kernels (no programmatic overlap), so the
-    /// total is at least the normal step time: use it to see where a step's time goes, not to
-    /// time it.
+    /// last entry `"(end)"` covers what follows the last kernel launch. cuBLAS GEMMs get their
+    /// own entries (`"cublas_gemm"`); other work between two of ferrum's kernels (the
+    /// reducer's collectives, the step upload) is counted in the next kernel's time. The events
+    /// serialise the kernels (no programmatic overlap), so the total is at least the normal
+    /// step time: use it to see where a step's time goes, not to time it.
     pub fn profile_decode_step(&mut self, seq: u64, token: u32, position: usize) -> Result<Vec<(&'static str, f64)>> {
+        self.profile(|r| r.decode_step(seq, token, position).map(|_| ()))
+    }
+
+    /// [`prefill`](Self::prefill) profiled like [`profile_decode_step`](Self::profile_decode_step).
+    pub fn profile_prefill(&mut self, seq: u64, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
+        self.profile(|r| r.prefill(seq, tokens).map(|_| ()))
+    }
+
+    fn profile(&mut self, run: impl FnOnce(&mut Self) -> Result<()>) -> Result<Vec<(&'static str, f64)>> {
         let ctx = self.ctx.clone();
         let ev = |what: &'static str| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver(what));
         let start = ev("profile start event")?;
         start.record(&self.k.stream).map_err(Error::driver("profile start event"))?;
         *self.k.marks.borrow_mut() = Some(Vec::new());
-        let stepped = self.decode_step(seq, token, position).map(|_| ());
+        let ran = run(self);
         let marks = self.k.marks.borrow_mut().take().unwrap_or_default();
-        stepped?;
+        ran?;
         let end = ev("profile end event")?;
         end.record(&self.k.stream).map_err(Error::driver("profile end event"))?;
         end.synchronize().map_err(Error::driver("profile end event"))?;
         let mut out = Vec::with_capacity(marks.len() + 1);
         let mut prev = &start;
-        for (k, e) in &marks {
-            out.push((k.name(), f64::from(prev.elapsed_ms(e).map_err(Error::driver("profile event"))?) * 1e3));
+        for (name, e) in &marks {
+            out.push((*name, f64::from(prev.elapsed_ms(e).map_err(Error::driver("profile event"))?) * 1e3));
             prev = e;
         }
         out.push(("(end)", f64::from(prev.elapsed_ms(&end).map_err(Error::driver("profile event"))?) * 1e3));
@@ -1120,26 +1124,26 @@ impl CudaDecodeRunner {
     }
 
     /// The GEMV launch variant chosen per projection shape at start-up, as
-    /// `(rows, cols, gate|up, "rows per warp x threads per block")`.
+    /// `(rows, cols, gate|up, "rows per warp x threads per block / k split-K")`.
     pub fn gemv_choices(&self) -> Vec<(usize, usize, bool, String)> {
         let mut v: Vec<_> = self
             .k
             .gemv_table
             .iter()
-            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}", if v.rows4 { 4 } else { 2 }, v.block)))
+            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}/k{}", if v.rows4 { 4 } else { 2 }, v.block, v.ks)))
             .collect();
         v.sort();
         v
     }
 
-    /// For tests: launches every tuned GEMV shape with variant `i` (of 4). All variants give
-    /// bit-identical results; this lets a test check that.
+    /// For tests: launches every tuned GEMV shape with variant `i` (of 4), keeping each shape's
+    /// split-K factor. All such variants give bit-identical results; this lets a test check that.
     #[doc(hidden)]
     pub fn force_gemv_variant(&mut self, i: usize) {
         let v = GEMV_VARIANTS[i % GEMV_VARIANTS.len()];
         self.generation += 1;
         for e in self.k.gemv_table.values_mut() {
-            *e = v;
+            *e = GemvVariant { ks: e.ks, ..v };
         }
     }
 
@@ -1152,6 +1156,21 @@ impl CudaDecodeRunner {
         self.k.fuse_norms = f.norms;
         self.k.fuse_rope = f.rope;
         self.generation += 1;
+    }
+
+    /// Sets how many KV splits `seq`'s decode attention uses (normally chosen from the capacity
+    /// by [`init_sequence`](Self::init_sequence)), `1..=MAX_SPLITS`. For tests that need long
+    /// splits (several 512-row tiles in one block) without a huge cache. A captured step
+    /// depends on it (its [`DeviceStepKey`] holds the split count).
+    #[doc(hidden)]
+    pub fn set_attention_splits(&mut self, seq: u64, n: usize) -> Result<()> {
+        if n == 0 || n > MAX_SPLITS {
+            return Err(Error::InvalidArgument(format!("{n} attention splits (1..={MAX_SPLITS})")));
+        }
+        let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        s.n_splits = n;
+        self.generation += 1;
+        Ok(())
     }
 
     /// Fault injection for failure tests: enqueues a kernel launch that CUDA rejects (a block of
@@ -1185,7 +1204,7 @@ impl CudaDecodeRunner {
 /// Times every GEMV variant on each decode projection shape (the runner's own weights of layer
 /// 0 and the LM head, a zero input; 3 warm-ups, then the median of 7 by CUDA events) and keeps
 /// the fastest per shape. All variants give bit-identical results, so this changes speed only.
-fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights) -> Result<()> {
+fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights, sms: usize) -> Result<()> {
     let Some(l0) = w.layers.first() else { return Ok(()) };
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     let shapes: [(usize, usize, bool, &CudaSlice<u16>); 5] = [
@@ -1207,8 +1226,12 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         if k.gemv_table.contains_key(&key) {
             continue;
         }
-        let mut best = (f32::MAX, GemvVariant::default());
+        // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
+        // variants timed here all share it, so the choice changes speed only.
+        let ks = gemv_split_k(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks);
+        let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
         for v in GEMV_VARIANTS {
+            let v = GemvVariant { ks, ..v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(7);
             for it in 0..10 {
@@ -1267,12 +1290,6 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
     }
 }
 
-/// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs.
-/// Measured on an H200 (bf16, `ferrum bench`, fused vs `FERRUM_FUSE=0`): hidden 576 (135M)
-/// +15%, 2048 (1B) +5%, 4096 (8B) −10% (not yet understood: a profile of the `_norm` GEMVs at
-/// that width is the next step), so wider models keep the separate add + RMSNorm kernels.
-const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
-
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1303,9 +1320,9 @@ fn forward(
     // projections (gemv.cu's `_res` and `_norm` kernels), so a layer is qkv, rope, attention,
     // o (+= x), gate|up (of norm(x)), down (+= x). Otherwise (prefill, cuBLAS, TP, whose
     // all-reduce sits between a projection and its residual add) the norms run on their own.
-    // Only up to FUSED_NORMS_MAX_HIDDEN: measured faster at hidden 576 and 2048, slower at 4096.
+    // Only up to k.norms_max_hidden (launch::FUSED_NORMS_MAX_HIDDEN by default).
     let fused_norms =
-        k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= FUSED_NORMS_MAX_HIDDEN;
+        k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= k.norms_max_hidden;
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
     if !fused_norms {
         k.rmsnorm(
@@ -1318,6 +1335,9 @@ fn forward(
         )?;
     }
     let splits = if decode { seq.n_splits } else { 1 };
+    // Decode: warps, and whether the fused kernel copies its split's rows before the
+    // programmatic-launch wait (plan::attn_warps).
+    let (attn_warps, early) = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { (4, false) };
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
@@ -1352,6 +1372,7 @@ fn forward(
             k_norm: opt(&lw.k_norm, st)?,
             inv_freq: whole(inv_freq, st)?,
             eps,
+            early,
         };
         let fused_rope = k.fuse_rope && decode && n == 1;
         if !fused_rope {
@@ -1372,38 +1393,55 @@ fn forward(
                 eps,
             )?;
         }
-        // Several splits (decode only, one token): the attention kernel's last split block
-        // merges them, unless fusion is off (then a combine kernel does).
-        let fused_merge = k.fuse_merge && splits > 1 && n == 1;
-        k.attn(
-            fused_rope.then_some(rope),
-            region(&a.qkv, st, 0, n * qkv_dim)?,
-            qkv_dim,
-            kc,
-            vc,
-            region(&a.attn, st, 0, n * q_dim)?,
-            whole(&a.part_acc, st)?,
-            whole(&a.part_ml, st)?,
-            if fused_merge { whole(&a.attn_counters, st)? } else { Region::null() },
-            pos,
-            n,
-            splits,
-            4,
-            s.heads,
-            s.kv_heads,
-            s.head_dim,
-            seq.capacity,
-        )?;
-        if splits > 1 && !fused_merge {
-            k.attn_combine(
+        // Prompts of PREFILL_MIN_TOKENS tokens or more: the tensor-core attention.
+        if !decode && n >= PREFILL_MIN_TOKENS && s.head_dim <= launch::PREFILL_MAX_HEAD_DIM && s.head_dim % 16 == 0 {
+            k.attn_prefill(
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                qkv_dim,
+                kc,
+                vc,
+                region(&a.attn, st, 0, n * q_dim)?,
+                pos,
+                n,
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+                seq.capacity,
+            )?;
+        } else {
+            // Several splits (decode only, one token): the attention kernel's last split block
+            // merges them, unless fusion is off (then a combine kernel does).
+            let fused_merge = k.fuse_merge && splits > 1 && n == 1;
+            k.attn(
+                fused_rope.then_some(rope),
+                region(&a.qkv, st, 0, n * qkv_dim)?,
+                qkv_dim,
+                kc,
+                vc,
                 region(&a.attn, st, 0, n * q_dim)?,
                 whole(&a.part_acc, st)?,
                 whole(&a.part_ml, st)?,
+                if fused_merge { whole(&a.attn_counters, st)? } else { Region::null() },
+                pos,
                 n,
                 splits,
+                attn_warps,
                 s.heads,
+                s.kv_heads,
                 s.head_dim,
+                seq.capacity,
             )?;
+            if splits > 1 && !fused_merge {
+                k.attn_combine(
+                    region(&a.attn, st, 0, n * q_dim)?,
+                    whole(&a.part_acc, st)?,
+                    whole(&a.part_ml, st)?,
+                    n,
+                    splits,
+                    s.heads,
+                    s.head_dim,
+                )?;
+            }
         }
         if fused_norms {
             // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h

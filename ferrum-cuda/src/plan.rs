@@ -1,0 +1,169 @@
+//! Launch planning: pure functions of a shape and the GPU's multiprocessor count that decide
+//! how the decode kernels are split over the GPU. They hold no GPU state, so they build and
+//! are unit-tested without the `cuda` feature; `cuda::launch` and `cuda::CudaDecodeRunner` call
+//! them.
+
+/// Largest GEMV split-K factor: the 128-thread GEMV blocks have 4 warps, and gemv.cu's shared
+/// slots hold `GEMV_MAX_KS` (8) warps per row group.
+pub const GEMV_MAX_KS: u32 = 4;
+
+/// Warps per multiprocessor that a GEMV should have streaming its weights. Each warp (two rows)
+/// keeps about 4 KiB of loads in flight; an H200 needs about 48 KiB in flight per
+/// multiprocessor (4.2 TB/s times about 1.5 µs of loaded latency, over 132 multiprocessors)
+/// to stay at its copy bandwidth, so 12 warps at least, and a few more cover the ramp and the
+/// tail.
+pub const GEMV_WARPS_PER_SM: usize = 16;
+
+/// The split-K factor of a batch-1 GEMV with `rows` weight rows (2·inter for the stacked
+/// gate|up) and `cols` columns on a GPU with `sms` multiprocessors: the smallest power of two
+/// that gives every multiprocessor [`GEMV_WARPS_PER_SM`] two-row warps, and at most `max_ks`,
+/// [`GEMV_MAX_KS`], and the number of 32-chunk column stripes (each warp keeps at least one).
+/// A function of the shape alone, so a shape's result never depends on timing.
+pub fn gemv_split_k(rows: usize, cols: usize, sms: usize, max_ks: u32) -> u32 {
+    let warps = rows.div_ceil(2);
+    let stripes = (cols / 8 / 32).max(1);
+    let cap = max_ks.clamp(1, GEMV_MAX_KS);
+    let mut ks = 1u32;
+    while ks * 2 <= cap && ks as usize * 2 <= stripes && warps * (ks as usize) < GEMV_WARPS_PER_SM * sms {
+        ks *= 2;
+    }
+    ks
+}
+
+/// Most KV splits of the decode attention.
+pub const MAX_SPLITS: usize = 64;
+/// Target cache rows per split of the decode attention for long caches (above
+/// `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
+pub const ATTN_ROWS_PER_SPLIT: usize = 128;
+/// Fewest cache rows per split when short caches are split for parallelism. Measured on one
+/// H200 (session 11, 384-token cache, `FERRUM_ATTN_SPLITS` A/B within one device call): with
+/// the attention that walks the cache after its wait, SmolLM2-135M (9 heads) ran 1549–1568
+/// tok/s with 6 splits of 64 rows and 1680–1756 with 12 of 32; once the fused attention copied
+/// its rows before the wait, 6 splits ran 1926–2084 and 12 splits 1877–1887 (Llama-3.2-1B:
+/// 1177–1191 with 6, 1165–1169 with 9). So 64.
+pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
+/// Cache rows per row slot that the fused decode attention loads before its programmatic-launch
+/// wait (attention.cu's `ATTN_EARLY_ROWS`).
+pub const ATTN_EARLY_ROWS: usize = 4;
+
+/// KV splits of the decode attention for a sequence of `capacity` tokens, fixed per sequence so
+/// the grid never changes (the kernel spreads the current length over them): at least about
+/// two blocks per multiprocessor over the `heads` (but at least [`ATTN_MIN_ROWS_PER_SPLIT`]
+/// rows per split), and for long caches at most [`ATTN_ROWS_PER_SPLIT`] rows per split; capped
+/// at [`MAX_SPLITS`].
+pub fn attn_splits(capacity: usize, heads: usize, sms: usize) -> usize {
+    let wide = (2 * sms).div_ceil(heads.max(1)).min(capacity.div_ceil(ATTN_MIN_ROWS_PER_SPLIT));
+    wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS)
+}
+
+/// How the fused decode attention runs over splits of at most `rows` cache rows of
+/// `head_dim`: (warps per block, early copies). A warp walks 32 / G rows at a time (attention.cu:
+/// G = the power of two >= head_dim / 8), and with early copies each row slot holds
+/// [`ATTN_EARLY_ROWS`] rows copied before the programmatic-launch wait. 4 warps when they hold
+/// the whole split, else 8 when those do; longer splits (long contexts) take 4 warps and no
+/// early copies, whose 16–32 KiB of shared memory per block would cut the blocks resident per
+/// multiprocessor (measured: 8k context fell from 165 to 140 tok/s with them).
+pub fn attn_warps(head_dim: usize, rows: usize) -> (u32, bool) {
+    let g = (head_dim / 8).next_power_of_two().clamp(2, 32);
+    let slots_per_warp = 32 / g;
+    if rows <= 4 * slots_per_warp * ATTN_EARLY_ROWS {
+        (4, true)
+    } else if rows <= 8 * slots_per_warp * ATTN_EARLY_ROWS {
+        (8, true)
+    } else {
+        (4, false)
+    }
+}
+
+/// Dynamic shared memory of a fused decode attention launch: the early K/V copies, two 16-byte
+/// chunks per early row per thread (attention.cu's `s_early`), or none.
+pub fn attn_early_bytes(warps: u32, early: bool) -> u32 {
+    if early {
+        2 * ATTN_EARLY_ROWS as u32 * warps * 32 * 16
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const H200_SMS: usize = 132;
+
+    #[test]
+    fn split_k_feeds_small_projections_and_leaves_wide_ones() {
+        // Llama-3.2-1B: qkv 3072x2048, o 2048x2048, down 2048x8192 are short of warps.
+        assert_eq!(gemv_split_k(3072, 2048, H200_SMS, 4), 2);
+        assert_eq!(gemv_split_k(2048, 2048, H200_SMS, 4), 4);
+        assert_eq!(gemv_split_k(2048, 8192, H200_SMS, 4), 4);
+        // ... and gate|up (2 x 8192 rows) and the LM head are not.
+        assert_eq!(gemv_split_k(16384, 2048, H200_SMS, 4), 1);
+        assert_eq!(gemv_split_k(128256, 2048, H200_SMS, 4), 1);
+        // Llama-3-8B: o 4096x4096 just short of 16 warps per SM.
+        assert_eq!(gemv_split_k(4096, 4096, H200_SMS, 4), 2);
+        assert_eq!(gemv_split_k(28672, 4096, H200_SMS, 4), 1);
+    }
+
+    #[test]
+    fn attention_splits_and_warps() {
+        // 384-token sequences: 64-row splits; 8k: 128-row splits, the 64-split cap at 8192.
+        assert_eq!(attn_splits(384, 32, H200_SMS), 6);
+        assert_eq!(attn_splits(384, 9, H200_SMS), 6);
+        assert_eq!(attn_splits(4096, 64, H200_SMS), 32);
+        assert_eq!(attn_splits(8192, 32, H200_SMS), 64);
+        assert_eq!(attn_splits(100_000, 32, H200_SMS), MAX_SPLITS);
+        assert_eq!(attn_splits(1, 32, H200_SMS), 1);
+        // Head dim 128 (G = 16, two rows per warp): 4 warps hold 32 early rows, 8 warps 64,
+        // beyond that 4 warps and no early copies.
+        assert_eq!(attn_warps(128, 32), (4, true));
+        assert_eq!(attn_warps(128, 64), (8, true));
+        assert_eq!(attn_warps(128, 65), (4, false));
+        // Head dim 64 (G = 8, four rows per warp): 64 and 128 rows.
+        assert_eq!(attn_warps(64, 64), (4, true));
+        assert_eq!(attn_warps(64, 128), (8, true));
+        assert_eq!(attn_warps(64, 129), (4, false));
+        // Head dim 16 and 96 (G = 2 and 16).
+        assert_eq!(attn_warps(16, 256), (4, true));
+        assert_eq!(attn_warps(96, 33), (8, true));
+        assert_eq!(attn_warps(256, 33), (4, false));
+        // The buffer: 32 KiB for 8 warps (with the 13.4 KiB static, under 48 KiB).
+        assert_eq!(attn_early_bytes(8, true), 32 * 1024);
+        assert_eq!(attn_early_bytes(4, true), 16 * 1024);
+        assert_eq!(attn_early_bytes(8, false), 0);
+    }
+
+    /// The constants shared with the kernels match their `#define`s in the CUDA sources.
+    #[test]
+    fn constants_match_the_kernel_sources() {
+        let define = |src: &str, name: &str| -> usize {
+            let line = src.lines().find(|l| l.starts_with(&format!("#define {name} "))).expect(name);
+            line.split_whitespace().nth(2).and_then(|v| v.parse().ok()).expect(name)
+        };
+        let attn = include_str!("../kernels/attention.cu");
+        assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
+        let gemv = include_str!("../kernels/gemv.cu");
+        assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
+    }
+
+    #[test]
+    fn split_k_respects_its_caps() {
+        // SmolLM2-135M: 576 columns are 2 whole stripes of 32 chunks, so at most 2.
+        assert_eq!(gemv_split_k(576, 576, H200_SMS, 4), 2);
+        // 1536 columns: 6 stripes, the cap of 4 wins.
+        assert_eq!(gemv_split_k(576, 1536, H200_SMS, 4), 4);
+        // The knob caps it (FERRUM_GEMV_SPLIT_K); 0 acts as 1.
+        assert_eq!(gemv_split_k(576, 1536, H200_SMS, 2), 2);
+        assert_eq!(gemv_split_k(576, 1536, H200_SMS, 1), 1);
+        assert_eq!(gemv_split_k(576, 1536, H200_SMS, 0), 1);
+        // Fewer than 256 columns: one stripe, no split.
+        assert_eq!(gemv_split_k(64, 128, H200_SMS, 4), 1);
+        // Always a power of two in 1..=GEMV_MAX_KS.
+        for rows in [1, 7, 100, 1000, 5000, 100_000] {
+            for cols in [8, 256, 1000, 4096, 20_000] {
+                let ks = gemv_split_k(rows, cols, H200_SMS, u32::MAX);
+                assert!(ks.is_power_of_two() && ks <= GEMV_MAX_KS, "{rows}x{cols}: {ks}");
+            }
+        }
+    }
+}
