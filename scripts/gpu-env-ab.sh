@@ -19,7 +19,7 @@ for m in ${MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
         for setting in "$@"; do
             vars=(); [ "$setting" != - ] && read -r -a vars <<<"$setting"
             f="$RET/ab-run.json"
-            env "${vars[@]}" timeout 90 bundle/ferrum bench --device cuda --synthetic "$m" --dtype bf16 \
+            env ${vars[@]+"${vars[@]}"} timeout 90 bundle/ferrum bench --device cuda --synthetic "$m" --dtype bf16 \
                 --prompt-tokens "${PROMPT:-128}" --gen-tokens 256 --runs 3 --json >"$f" 2>/dev/null
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['model']} round {sys.argv[3]} [{sys.argv[2]}]: {r['decode_tok_per_s']:.0f} tok/s\")" \
                 "$f" "$setting" "$round" || echo "$m round $round [$setting]: FAILED"

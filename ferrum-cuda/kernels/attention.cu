@@ -219,6 +219,8 @@ __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_al
 // load is in flight before the previous kernel ends; longer splits get no buffer and walk the
 // cache after the wait.
 #define ATTN_EARLY_ROWS 4
+// Every early row lies in the first tile: slots <= ATTN_MAX_WARPS * 16 (G >= 2 lanes per row).
+static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fit the first tile");
 
 // grid (heads, n_splits, n_tok); block: 32 * n_warps threads (n_warps <= 8).
 // Query token `tok` sits at position pos_base[0] + tok and attends to cache rows [0, pos].
@@ -246,9 +248,11 @@ __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_al
 // the programmatic-launch wait, while the QKV projection finishes. Why that is safe: every
 // decode kernel waits (griddepcontrol.wait) before it lets its dependent launch, so when this
 // grid starts, every kernel before the one it depends on has completed and its writes are
-// visible. Its only dependency (the QKV projection) writes neither the position (the previous
-// step's argmax, or a host copy, wrote it) nor the cache (rows below pos were written by
-// earlier attention launches, row pos is never read here), and the loads go through L2.
+// visible. (A kernel that never signals, such as a cuBLAS GEMM on the cuBLAS decode path,
+// counts as finished only when it completes, which keeps the chain.) The kernel it depends on
+// (the QKV projection, a GEMV or a GEMM) writes neither the position (the previous step's
+// argmax, or a host copy, wrote it) nor the cache (rows below pos were written by earlier
+// attention launches, row pos is never read here), and the loads go through L2.
 template <typename T, int HD, bool ROPE, bool EARLY>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
@@ -356,8 +360,9 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     float m = FERRUM_NEG_INF, l = 0.0f;  // block-uniform: they come from block reductions
     for (int t0 = start; t0 < end; t0 += ATTN_TILE) {
         const int n = min(ATTN_TILE, end - t0);
-        // The early rows lie in the first tile (ER * slots <= 8 * 32 < ATTN_TILE); later
-        // iterations and tiles load from the cache here.
+        // The early rows lie in the first tile (ER * slots <= ATTN_EARLY_ROWS * ATTN_MAX_WARPS
+        // * 16 = ATTN_TILE at most: static_assert below); later iterations and tiles load from
+        // the cache here.
         const int ib_late = warp * TPW + (early && t0 == start ? ER * slots : 0);
         // 1. Scores. The loop bounds are warp-uniform (every lane reaches the shuffles).
         if (early && t0 == start) {
@@ -530,7 +535,8 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
 //
 // Numerics: q (scaled by `scale`), the K and V tiles and the probabilities are rounded to f16
 // for the tensor cores, whatever the model dtype (bf16 caches convert exactly unless a value
-// is beyond f16's range, where it is clamped to +-65504 so that no infinity can appear);
+// is beyond f16's range, where it is clamped to +-65504 so that no infinity can appear, or
+// below 2^-14 in magnitude, where it loses bits as an f16 subnormal or flushes to zero);
 // scores, the softmax statistics and the output accumulate in f32. Two passes over the keys:
 // the first finds each row's max m and sum l (online, in f32), the second accumulates
 // O += (exp(s - m) / l) V, so the output needs no rescaling between tiles (the price is

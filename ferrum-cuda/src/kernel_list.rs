@@ -61,7 +61,7 @@ kernels! {
     /// The same, copying the split's past K/V rows to shared memory before its wait.
     AttnRopeEarlyF16 => "ferrum_attn_rope_early_f16" in "attention",
     AttnRopeEarlyBf16 => "ferrum_attn_rope_early_bf16" in "attention",
-    /// Prefill attention on tensor cores (head dims 16..=128).
+    /// Prefill attention on tensor cores (head dims 16, 32, 64, 96, 128).
     AttnPrefillF16 => "ferrum_attn_prefill_f16" in "attention",
     AttnPrefillBf16 => "ferrum_attn_prefill_bf16" in "attention",
     /// Combine of the split-KV partials.

@@ -18,7 +18,9 @@ pub const GEMV_WARPS_PER_SM: usize = 16;
 /// gate|up) and `cols` columns on a GPU with `sms` multiprocessors: the smallest power of two
 /// that gives every multiprocessor [`GEMV_WARPS_PER_SM`] two-row warps, and at most `max_ks`,
 /// [`GEMV_MAX_KS`], and the number of 32-chunk column stripes (each warp keeps at least one).
-/// A function of the shape alone, so a shape's result never depends on timing.
+/// A function of the shape, the GPU's multiprocessor count and the `FERRUM_GEMV_SPLIT_K` cap,
+/// never of timing: on one GPU model with one setting a shape's result is always the same
+/// (another GPU model may split differently and round differently).
 pub fn gemv_split_k(rows: usize, cols: usize, sms: usize, max_ks: u32) -> u32 {
     let warps = rows.div_ceil(2);
     let stripes = (cols / 8 / 32).max(1);
@@ -45,6 +47,15 @@ pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
 /// Cache rows per row slot that the fused decode attention loads before its programmatic-launch
 /// wait (attention.cu's `ATTN_EARLY_ROWS`).
 pub const ATTN_EARLY_ROWS: usize = 4;
+
+/// Most warps per block of the decode attention (attention.cu's `ATTN_MAX_WARPS`).
+pub const ATTN_MAX_WARPS: u32 = 8;
+/// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
+/// others take the row-walking kernel.
+pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
+/// Warps per block of the prefill attention (attention.cu's `PF_WARPS`); each takes 16 query
+/// rows, so a block covers `16 * PREFILL_WARPS` rows.
+pub const PREFILL_WARPS: u32 = 2;
 
 /// KV splits of the decode attention for a sequence of `capacity` tokens, fixed per sequence so
 /// the grid never changes (the kernel spreads the current length over them): at least about
@@ -123,11 +134,12 @@ mod tests {
         assert_eq!(attn_warps(64, 64), (4, true));
         assert_eq!(attn_warps(64, 128), (8, true));
         assert_eq!(attn_warps(64, 129), (4, false));
-        // Head dim 16 and 96 (G = 2 and 16).
+        // Head dims 16, 96 and 256 (G = 2, 16 and 32).
         assert_eq!(attn_warps(16, 256), (4, true));
         assert_eq!(attn_warps(96, 33), (8, true));
         assert_eq!(attn_warps(256, 33), (4, false));
-        // The buffer: 32 KiB for 8 warps (with the 13.4 KiB static, under 48 KiB).
+        // The buffer: 32 KiB for 8 warps (with the 13,440 bytes of static shared memory, under
+        // the 48 KiB a launch gets without opting in).
         assert_eq!(attn_early_bytes(8, true), 32 * 1024);
         assert_eq!(attn_early_bytes(4, true), 16 * 1024);
         assert_eq!(attn_early_bytes(8, false), 0);
@@ -142,6 +154,11 @@ mod tests {
         };
         let attn = include_str!("../kernels/attention.cu");
         assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
+        assert_eq!(define(attn, "ATTN_MAX_WARPS"), ATTN_MAX_WARPS as usize);
+        assert_eq!(define(attn, "PF_WARPS"), PREFILL_WARPS as usize);
+        for hd in PREFILL_HEAD_DIMS {
+            assert!(attn.contains(&format!("attn_prefill_impl<T, {hd}>(")), "prefill head dim {hd}");
+        }
         let gemv = include_str!("../kernels/gemv.cu");
         assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
     }

@@ -335,13 +335,11 @@ pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
 /// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
 pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
 pub(crate) const ARGMAX_CHUNK: usize = 4096;
-pub(crate) const ATTN_MAX_WARPS: u32 = 8;
-/// Largest head dim of the tensor-core prefill attention (attention.cu's `PF_SMEM_BYTES`).
-pub(crate) const PREFILL_MAX_HEAD_DIM: usize = 128;
+pub(crate) use crate::plan::ATTN_MAX_WARPS;
 /// Query rows per block and threads per block of the prefill attention (attention.cu's
 /// `PF_BM` and `PF_WARPS * 32`).
-const PREFILL_ROWS_PER_BLOCK: usize = 32;
-const PREFILL_THREADS: u32 = 64;
+const PREFILL_ROWS_PER_BLOCK: usize = 16 * crate::plan::PREFILL_WARPS as usize;
+const PREFILL_THREADS: u32 = 32 * crate::plan::PREFILL_WARPS;
 
 impl Kernels {
     /// Loads the kernels for `ctx`'s GPU: the compute_90 PTX with programmatic dependent launch
@@ -661,15 +659,18 @@ impl Kernels {
         // follow in that order. The early copies (rope with `early`: the `_early` kernel, same
         // signature) write only the launch's dynamic shared memory, 2 * ATTN_EARLY_ROWS
         // 16-byte chunks per thread, which is what attn_early_bytes gives (the kernel checks
-        // %dynamic_smem_size before using it).
+        // %dynamic_smem_size before using it). The fused kernels read pos[0] and (`_early`)
+        // cache rows below pos before their programmatic-launch wait: those were written by
+        // kernels that have completed by then (attention.cu gives the argument), and the
+        // extents are the ones checked above.
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
 
     /// Causal attention of `n_tok` query rows (row stride `q_stride`, the first at position
     /// `pos[0]`) over one layer's cache on tensor cores (attention.cu's
-    /// `ferrum_attn_prefill_*`): `out` `[n_tok][heads*head_dim]` f32. Head dims up to
-    /// [`PREFILL_MAX_HEAD_DIM`], multiples of 16.
+    /// `ferrum_attn_prefill_*`): `out` `[n_tok][heads*head_dim]` f32. Head dims in
+    /// `plan::PREFILL_HEAD_DIMS` (the kernel's switch; any other is refused here).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn_prefill(
         &self,
@@ -685,7 +686,7 @@ impl Kernels {
         head_dim: usize,
         capacity: usize,
     ) -> Result<()> {
-        if head_dim % 16 != 0 || head_dim > PREFILL_MAX_HEAD_DIM || kv_heads == 0 || heads % kv_heads != 0 {
+        if !crate::plan::PREFILL_HEAD_DIMS.contains(&head_dim) || kv_heads == 0 || heads % kv_heads != 0 {
             return Err(Error::Internal(format!("attn_prefill: head_dim {head_dim}, heads {heads}/{kv_heads}")));
         }
         if n_tok == 0 || q_stride < heads * head_dim {
@@ -723,8 +724,9 @@ impl Kernels {
         // t*q_stride + h*hd .. +hd, pos[0], and cache rows [kvh][0 .. min(pos[0] + t + 1,
         // capacity)) (16-byte loads: cache regions start at multiples of head_dim elements of a
         // 256-byte-aligned allocation, head_dim % 16 == 0); it writes the f32 out[t][h*hd .. +hd)
-        // for t < n_tok only. Extents checked above; blocks of PREFILL_ROWS_PER_BLOCK threads (2
-        // warps), as the kernel's PF_WARPS; signature (const f32*, int, const T*, const T*, f32*,
+        // for t < n_tok only. Extents checked above; blocks of PREFILL_THREADS threads
+        // (PREFILL_WARPS warps of 16 query rows: PREFILL_ROWS_PER_BLOCK rows, as the kernel's
+        // PF_WARPS and PF_BM; a unit test compares the constants); signature (const f32*, int, const T*, const T*, f32*,
         // const u32*, int x6, float) matches.
         unsafe { b.launch(cfg(grid, PREFILL_THREADS)) }.map_err(Error::driver("attn_prefill"))?;
         Ok(())

@@ -1394,7 +1394,7 @@ fn forward(
             )?;
         }
         // Prompts of PREFILL_MIN_TOKENS tokens or more: the tensor-core attention.
-        if !decode && n >= PREFILL_MIN_TOKENS && s.head_dim <= launch::PREFILL_MAX_HEAD_DIM && s.head_dim % 16 == 0 {
+        if !decode && n >= PREFILL_MIN_TOKENS && crate::plan::PREFILL_HEAD_DIMS.contains(&s.head_dim) {
             k.attn_prefill(
                 region(&a.qkv, st, 0, n * qkv_dim)?,
                 qkv_dim,
