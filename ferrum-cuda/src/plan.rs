@@ -48,6 +48,27 @@ pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
 /// wait (attention.cu's `ATTN_EARLY_ROWS`).
 pub const ATTN_EARLY_ROWS: usize = 4;
 
+/// Reads a measurement knob's value (an environment variable's, `None` when unset): a number in
+/// `lo..=hi`, else an `InvalidArgument` error naming the variable and the range.
+pub fn knob(name: &str, value: Option<&str>, lo: usize, hi: usize) -> crate::Result<Option<usize>> {
+    match value {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
+            _ => Err(crate::Error::InvalidArgument(format!("{name}={v:?}: expected a number in {lo}..={hi}"))),
+        },
+    }
+}
+
+/// The split-K cap from `FERRUM_GEMV_SPLIT_K` (`None` when unset: [`GEMV_MAX_KS`]): 1, 2 or 4.
+pub fn gemv_split_k_cap(value: Option<&str>) -> crate::Result<u32> {
+    match knob("FERRUM_GEMV_SPLIT_K", value, 1, GEMV_MAX_KS as usize)? {
+        Some(n) if n.is_power_of_two() => Ok(n as u32),
+        Some(n) => Err(crate::Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2 or 4"))),
+        None => Ok(GEMV_MAX_KS),
+    }
+}
+
 /// Most warps per block of the decode attention (attention.cu's `ATTN_MAX_WARPS`).
 pub const ATTN_MAX_WARPS: u32 = 8;
 /// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
@@ -143,6 +164,23 @@ mod tests {
         assert_eq!(attn_early_bytes(8, true), 32 * 1024);
         assert_eq!(attn_early_bytes(4, true), 16 * 1024);
         assert_eq!(attn_early_bytes(8, false), 0);
+    }
+
+    #[test]
+    fn knobs_refuse_bad_values() {
+        assert_eq!(knob("FERRUM_ATTN_SPLITS", None, 1, MAX_SPLITS).unwrap(), None);
+        assert_eq!(knob("FERRUM_ATTN_SPLITS", Some(" 12 "), 1, MAX_SPLITS).unwrap(), Some(12));
+        for bad in ["0", "65", "-1", "six", ""] {
+            let e = knob("FERRUM_ATTN_SPLITS", Some(bad), 1, MAX_SPLITS).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_ATTN_SPLITS") && e.contains("1..=64"), "{bad:?}: {e}");
+        }
+        assert_eq!(gemv_split_k_cap(None).unwrap(), GEMV_MAX_KS);
+        assert_eq!(gemv_split_k_cap(Some("1")).unwrap(), 1);
+        assert_eq!(gemv_split_k_cap(Some("2")).unwrap(), 2);
+        for bad in ["3", "0", "8", "x"] {
+            let e = gemv_split_k_cap(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_SPLIT_K"), "{bad:?}: {e}");
+        }
     }
 
     /// The constants shared with the kernels match their `#define`s in the CUDA sources.

@@ -4,7 +4,6 @@
 use super::DevBuf;
 use crate::error::{Error, Result};
 use crate::kernel_list::Kernel;
-use crate::plan::GEMV_MAX_KS;
 use crate::ptx;
 use crate::spec::{DType, Fusion};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
@@ -375,22 +374,11 @@ impl Kernels {
         };
         // Measurement knobs (A/B runs; documented in the crate README): the widest hidden size
         // whose decode fuses the norms, and a fixed KV split count for every sequence.
-        let knob = |name: &str, lo: usize, hi: usize| -> Result<Option<usize>> {
-            match std::env::var(name) {
-                Err(_) => Ok(None),
-                Ok(v) => match v.trim().parse::<usize>() {
-                    Ok(n) if (lo..=hi).contains(&n) => Ok(Some(n)),
-                    _ => Err(Error::InvalidArgument(format!("{name}={v:?}: expected a number in {lo}..={hi}"))),
-                },
-            }
-        };
+        let env = |name: &str| std::env::var(name).ok();
+        let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
-        let gemv_max_ks = match knob("FERRUM_GEMV_SPLIT_K", 1, GEMV_MAX_KS as usize)? {
-            Some(n) if n.is_power_of_two() => n as u32,
-            Some(n) => return Err(Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2 or 4"))),
-            None => GEMV_MAX_KS,
-        };
+        let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
         tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, gemv_max_ks, "kernels loaded");
         Ok(Kernels {
             funcs,
