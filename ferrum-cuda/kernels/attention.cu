@@ -9,7 +9,6 @@
 // from device memory (pos_base[0] + token index), so the launch does not
 // depend on the position (CUDA graphs can replay it).
 #include "common.cuh"
-#include <mma.h>
 
 // RoPE's per-pair math, shared by rope_qkv and the fused attention (rope_head) so that the two
 // agree bit for bit: thread i < half holds the pair (a, b) = (x[i], x[i + half]) of one head
@@ -526,223 +525,422 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prefill attention on tensor cores (ferrum_attn_prefill_*): causal attention of n_tok query
-// rows (positions pos_base[0] + t) over one layer's cache, head dims 16..128 (multiples of 16).
-// The decode kernel above walks rows with CUDA-core dot products, which for a 1024-token
-// prompt is n_tok times the whole cache per head; here each block takes PF_BM query rows of
-// one head and multiplies them by PF_BN-row tiles of K and V with WMMA (16x16x16, f16 inputs,
-// f32 accumulation).
+// Prefill attention on tensor cores (ferrum_attn_prefill_*), FlashAttention-2 style: causal
+// attention of n_tok query rows (positions pos_base[0] + t) over one layer's cache, head dims
+// 16..128 (multiples of 16). The decode kernel above walks rows with CUDA-core dot products,
+// which for a 1024-token prompt is n_tok times the whole cache per head; here each block takes
+// PF_BM query rows of one head and streams PF_BN-row tiles of K and V through shared memory
+// (cp.async, double-buffered: tile i+1 is in flight while tile i is multiplied), with raw
+// mma.sync m16n8k16 in the model dtype and f32 accumulation, whose register layouts are
+// documented (PTX ISA, "Matrix Fragments for mma.m16n8k16"), so that the softmax runs on the
+// score fragments in registers and P feeds the P.V product without a trip through memory.
 //
-// Numerics: q (scaled by `scale`), the K and V tiles and the probabilities are rounded to f16
-// for the tensor cores, whatever the model dtype (bf16 caches convert exactly unless a value
-// is beyond f16's range, where it is clamped to +-65504 so that no infinity can appear, or
-// below 2^-14 in magnitude, where it loses bits as an f16 subnormal or flushes to zero);
-// scores, the softmax statistics and the output accumulate in f32. Two passes over the keys:
-// the first finds each row's max m and sum l (online, in f32), the second accumulates
-// O += (exp(s - m) / l) V, so the output needs no rescaling between tiles (the price is
-// computing q K^T twice, which the tensor cores do far faster than the memory walk it
-// replaces). Every order is fixed by the launch shape, so results are deterministic.
+// Warp w owns query rows q0 + 16w .. + 16. In a fragment, lane l holds rows g = l / 4 and
+// g + 8 and, per 8-column block, the columns 2 (l % 4) and 2 (l % 4) + 1 (C/D layout); the
+// A operand of the next product takes two adjacent 8-column blocks of C as one 16-wide k
+// step, which is why P never leaves registers.
 //
-// Grid (heads, ceil(n_tok / PF_BM)); block PF_WARPS * 32 threads; warp w owns query rows
-// q0 + 16 w .. + 16 of the block. Keys of the block: [0, kend) with kend = min(pos of its last
-// row + 1, capacity); key j is masked for row t when j > pos_base[0] + t. Rows past kend are
-// zero-filled in shared memory (never read from the cache), so masked products are exact
-// zeros.
+// One pass, online softmax (per row: running max m, running sum l, output O rescaled by
+// 2^(m_old - m_new) when the max grows). q is scaled by scale * log2(e) before it is rounded,
+// so scores are in base 2 and every exponential is one exp2f. Row max and sum are reduced
+// over the 4 lanes of a row by a fixed xor tree, so every order is fixed by the launch shape
+// and results are deterministic.
+//
+// Numerics: q, K, V and P are rounded to the model dtype (bf16 or f16; K and V already are,
+// and are copied as stored); scores, m, l and O accumulate in f32. P = 2^(s - m) lies in
+// (0, 1] with the row's largest term exactly 1, so its rounding is relative (values below
+// 2^-14 in f16 lose bits as subnormals, but they are under 2^-14 of the row's largest term).
+// For f16 models q is clamped to +-65504 first, so no infinity can appear.
+//
+// Grid (heads, ceil(n_tok / PF_BM)), block PF_WARPS * 32 threads; blockIdx.y counts from the
+// last query block, so the blocks with the most keys start first. Keys of the block: [0, kend)
+// with kend = min(pos of its last row + 1, capacity); key j is masked for row t when
+// j > pos_base[0] + t. Tile rows at or past kend are zero-filled by cp.async (source size 0,
+// the cache is not read there), so masked lanes multiply exact zeros.
 
-#define PF_WARPS 2
+#define PF_WARPS 4
 #define PF_BM (16 * PF_WARPS)
 #define PF_BN 32
 
-// Shared memory of one block, in halves unless noted: q [PF_BM][HD + 8], k and v
-// [PF_BN][HD + 8] (8 halves of padding per row against bank conflicts, keeping every WMMA
-// pointer 32-byte aligned), scores (f32) [PF_WARPS][16][PF_BN + 4], probabilities
-// [PF_WARPS][16][PF_BN + 8]. At the end the q/k/v region holds the f32 output [PF_BM][HD].
+// Shared memory: two stages of K and V tiles, [stage][K|V][PF_BN][HD + 8] in the model dtype.
+// The 8-element pad makes the row stride an odd number of 16-byte units for every supported
+// head dim, so the 8 row addresses of one ldmatrix hit 8 different bank groups.
 template <int HD> struct PfLayout {
-    static constexpr int LDH = HD + 8, LDS = PF_BN + 4, LDP = PF_BN + 8;
-    static constexpr int Q = 0, K = Q + PF_BM * LDH * 2, V = K + PF_BN * LDH * 2;  // bytes
-    static constexpr int S = V + PF_BN * LDH * 2, P = S + PF_WARPS * 16 * LDS * 4;
-    static constexpr int BYTES = P + PF_WARPS * 16 * LDP * 2;
-    static_assert(PF_BM * HD * 4 <= S, "the output staging fits in the q/k/v region");
+    static constexpr int LD = HD + 8;          // elements per row
+    static constexpr int TILE = PF_BN * LD;    // elements of one K or V tile
+    static constexpr int BYTES = 2 * 2 * TILE * 2;
 };
 #define PF_SMEM_BYTES (PfLayout<128>::BYTES)
 
-__device__ __forceinline__ __half pf_half(float x) {
-    return __float2half_rn(fminf(fmaxf(x, -65504.0f), 65504.0f));
+// Two floats as one 32-bit register of the dtype (lo in the low half: the lower k index).
+__device__ __forceinline__ uint32_t pf_pack(float lo, float hi, f16) {
+    __half2 h = __floats2half2_rn(fminf(fmaxf(lo, -65504.0f), 65504.0f), fminf(fmaxf(hi, -65504.0f), 65504.0f));
+    uint32_t u;
+    memcpy(&u, &h, 4);
+    return u;
+}
+__device__ __forceinline__ uint32_t pf_pack(float lo, float hi, bf16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    uint32_t u;
+    memcpy(&u, &h, 4);
+    return u;
 }
 
-// Rows [k0, k0 + PF_BN) of one KV head's cache (rows >= kend as zeros) into `dst` as f16.
+// d += a (16x16, row) . b (16x8, col), f32 accumulators.
+__device__ __forceinline__ void pf_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, f16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void pf_mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bf16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory: lane l gives the address of row
+// l % 8 of matrix l / 8; register i receives matrix i, lane l holding row l / 4, elements
+// 2 (l % 4) and +1 (.trans: column l / 4, rows 2 (l % 4) and +1). Volatile with a memory
+// clobber, so it stays between the barriers that publish the tile.
+__device__ __forceinline__ void pf_ldsm4(uint32_t (&r)[4], const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void pf_ldsm4_t(uint32_t (&r)[4], const void *p) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+}
+
+// 16 bytes global -> shared, asynchronously; `valid` false writes 16 zero bytes and reads
+// nothing (source size 0; `src` must still be a valid address, the callers pass row 0).
+__device__ __forceinline__ void pf_cp16(void *dst, const void *src, bool valid) {
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(n) : "memory");
+}
+
+// Rows [k0, k0 + PF_BN) of one KV head's K and V into stage `st` (rows >= kend as zeros), as one
+// cp.async group, by the NTH threads of the block.
+template <typename T, int HD, int NTH>
+__device__ __forceinline__ void pf_load_tile(T *smem, int st, const T *kc, const T *vc, int k0, int kend) {
+    using L = PfLayout<HD>;
+    constexpr int CH = HD / 8;  // 16-byte chunks per row
+    T *sk = smem + st * 2 * L::TILE, *sv = sk + L::TILE;
+    for (int i = threadIdx.x; i < PF_BN * CH; i += NTH) {
+        const int r = i / CH, ch = i % CH, key = k0 + r;
+        const bool in = key < kend;
+        const size_t off = (size_t)(in ? key : 0) * HD + ch * 8;
+        pf_cp16(sk + r * L::LD + ch * 8, kc + off, in);
+        pf_cp16(sv + r * L::LD + ch * 8, vc + off, in);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The A fragments of 16 query rows (HD wide, scaled by qs, rounded to the dtype): `qa` and `qb`
+// point at element 2 (lane % 4) of rows g and g + 8; a row whose flag is false is zeros (its
+// pointer is not read).
 template <typename T, int HD>
-__device__ __forceinline__ void pf_load_tile(__half *dst, const T *cache, int k0, int kend) {
-    constexpr int CH = HD / 8, LDH = PfLayout<HD>::LDH;
-    for (int c = threadIdx.x; c < PF_BN * CH; c += blockDim.x) {
-        const int r = c / CH, ch = c % CH;
-        float f[8];
-        if (k0 + r < kend) {
-            unpack8(__ldg(reinterpret_cast<const uint4 *>(cache + (size_t)(k0 + r) * HD) + ch), f, T());
-        } else {
+__device__ __forceinline__ void pf_q_frags(uint32_t (&qf)[HD / 16][4], const float *qa, bool va,
+                                           const float *qb, bool vb, float qs) {
+    const float2 z = make_float2(0.0f, 0.0f);
 #pragma unroll
-            for (int j = 0; j < 8; ++j) f[j] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < 8; ++j) dst[r * LDH + ch * 8 + j] = pf_half(f[j]);
+    for (int kk = 0; kk < HD / 16; ++kk) {
+        const float2 a0 = va ? *reinterpret_cast<const float2 *>(qa + 16 * kk) : z;
+        const float2 a1 = vb ? *reinterpret_cast<const float2 *>(qb + 16 * kk) : z;
+        const float2 a2 = va ? *reinterpret_cast<const float2 *>(qa + 16 * kk + 8) : z;
+        const float2 a3 = vb ? *reinterpret_cast<const float2 *>(qb + 16 * kk + 8) : z;
+        qf[kk][0] = pf_pack(a0.x * qs, a0.y * qs, T());
+        qf[kk][1] = pf_pack(a1.x * qs, a1.y * qs, T());
+        qf[kk][2] = pf_pack(a2.x * qs, a2.y * qs, T());
+        qf[kk][3] = pf_pack(a3.x * qs, a3.y * qs, T());
     }
 }
 
-// s_s (this warp's 16 x PF_BN f32 scores) = q (16 x HD, fragments qf) . K tile^T.
-template <int HD>
-__device__ __forceinline__ void pf_scores(
-    float *s_s, const __half *s_k,
-    const nvcuda::wmma::fragment<nvcuda::wmma::matrix_a, 16, 16, 16, __half, nvcuda::wmma::row_major> (&qf)[HD / 16]) {
-    using namespace nvcuda;
-    constexpr int LDH = PfLayout<HD>::LDH, LDS = PfLayout<HD>::LDS;
+// One warp's running softmax state over its 16 rows: lane l holds rows g = l / 4 (index 0)
+// and g + 8 (index 1): max m (base 2), this lane's share of the sum l, and the output O
+// (8-column blocks, C layout).
+template <int HD> struct PfState {
+    float o[HD / 8][4];
+    float m[2], l[2];
+    __device__ __forceinline__ void init() {
 #pragma unroll
-    for (int nb = 0; nb < PF_BN / 16; ++nb) {
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
-        wmma::fill_fragment(acc, 0.0f);
-#pragma unroll
-        for (int kk = 0; kk < HD / 16; ++kk) {
-            // K^T as matrix_b: element (d, key) at s_k[key * LDH + d], column-major.
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> kf;
-            wmma::load_matrix_sync(kf, s_k + nb * 16 * LDH + kk * 16, LDH);
-            wmma::mma_sync(acc, qf[kk], kf, acc);
-        }
-        wmma::store_matrix_sync(s_s + nb * 16, acc, LDS, wmma::mem_row_major);
+        for (int j = 0; j < HD / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+        m[0] = m[1] = FERRUM_NEG_INF;
+        l[0] = l[1] = 0.0f;
     }
+    // The row sums over the row's 4 lanes (a fixed xor tree: the same value on each).
+    __device__ __forceinline__ void reduce_l() {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 1);
+            l[i] += __shfl_xor_sync(0xffffffffu, l[i], 2);
+        }
+    }
+};
+
+// One K/V tile (PF_BN keys from k0, in shared memory at sk / sv) into one warp's 16 rows:
+// s = q . K^T, the online softmax update, O += P V. With `mask`, key j is dropped for row i
+// when j > lim[i] or j >= kend (the caller sets it for tiles that cross a limit).
+template <typename T, int HD>
+__device__ __forceinline__ void pf_tile(PfState<HD> &st, const uint32_t (&qf)[HD / 16][4], const T *sk,
+                                        const T *sv, int k0, bool mask, const int (&lim)[2], int kend) {
+    constexpr int LD = PfLayout<HD>::LD;
+    constexpr int KS = HD / 16;     // k steps of q . K^T
+    constexpr int NS = PF_BN / 8;   // 8-column blocks of a score tile
+    constexpr int NO = HD / 8;      // 8-column blocks of the output
+    const int lane = threadIdx.x & 31, c = lane & 3;
+    // s = q . K^T: 16 x PF_BN scores (base 2). ldmatrix (no transpose) of K rows gives the
+    // col-major B operand: matrices (keys 16np + 0..7 | + 8..15) x (dims lo | hi).
+    float s[NS][4];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+        for (int np = 0; np < NS / 2; ++np) {
+            uint32_t b[4];
+            pf_ldsm4(b, sk + (16 * np + (lane >> 4) * 8 + (lane & 7)) * LD + 16 * kk + ((lane >> 3) & 1) * 8);
+            pf_mma(s[2 * np], qf[kk], b[0], b[1], T());
+            pf_mma(s[2 * np + 1], qf[kk], b[2], b[3], T());
+        }
+    }
+    if (mask) {
+#pragma unroll
+        for (int j = 0; j < NS; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = k0 + 8 * j + 2 * c + (e & 1);
+                if (key > lim[e >> 1] || key >= kend) s[j][e] = FERRUM_NEG_INF;
+            }
+        }
+    }
+    // Online softmax: the row max over this lane's columns, then over the row's 4 lanes.
+    float x[2] = {st.m[0], st.m[1]}, base[2];
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+        x[0] = fmaxf(x[0], fmaxf(s[j][0], s[j][1]));
+        x[1] = fmaxf(x[1], fmaxf(s[j][2], s[j][3]));
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        x[i] = fmaxf(x[i], __shfl_xor_sync(0xffffffffu, x[i], 1));
+        x[i] = fmaxf(x[i], __shfl_xor_sync(0xffffffffu, x[i], 2));
+        // A row with no key yet keeps m = -inf; the 0 base keeps it free of inf - inf.
+        base[i] = x[i] == FERRUM_NEG_INF ? 0.0f : x[i];
+        const float a = exp2f(st.m[i] - base[i]);  // 0 when m was -inf
+        st.m[i] = x[i];
+        st.l[i] *= a;
+#pragma unroll
+        for (int j = 0; j < NO; ++j) {
+            st.o[j][2 * i] *= a;
+            st.o[j][2 * i + 1] *= a;
+        }
+    }
+    // P = 2^(s - m) as A fragments: 8-column blocks 2j and 2j + 1 form k step j.
+    uint32_t pa[PF_BN / 16][4];
+#pragma unroll
+    for (int j = 0; j < PF_BN / 16; ++j) {
+        const float p00 = exp2f(s[2 * j][0] - base[0]), p01 = exp2f(s[2 * j][1] - base[0]);
+        const float p02 = exp2f(s[2 * j][2] - base[1]), p03 = exp2f(s[2 * j][3] - base[1]);
+        const float p10 = exp2f(s[2 * j + 1][0] - base[0]), p11 = exp2f(s[2 * j + 1][1] - base[0]);
+        const float p12 = exp2f(s[2 * j + 1][2] - base[1]), p13 = exp2f(s[2 * j + 1][3] - base[1]);
+        st.l[0] += (p00 + p01) + (p10 + p11);
+        st.l[1] += (p02 + p03) + (p12 + p13);
+        pa[j][0] = pf_pack(p00, p01, T());
+        pa[j][1] = pf_pack(p02, p03, T());
+        pa[j][2] = pf_pack(p10, p11, T());
+        pa[j][3] = pf_pack(p12, p13, T());
+    }
+    // O += P V. ldmatrix.trans of V rows gives the col-major B operand: matrices
+    // (keys 16j + 0..7 | + 8..15) x (dims 16np + 0..7 | + 8..15).
+#pragma unroll
+    for (int j = 0; j < PF_BN / 16; ++j) {
+#pragma unroll
+        for (int np = 0; np < NO / 2; ++np) {
+            uint32_t b[4];
+            pf_ldsm4_t(b, sv + (16 * j + ((lane >> 3) & 1) * 8 + (lane & 7)) * LD + 16 * np + (lane >> 4) * 8);
+            pf_mma(st.o[2 * np], pa[j], b[0], b[1], T());
+            pf_mma(st.o[2 * np + 1], pa[j], b[2], b[3], T());
+        }
+    }
+}
+
+// Row i (0: g, 1: g + 8) of the warp's output, times `scale`, to `dst` (f32, HD wide): 8 bytes
+// per lane per 8-column block.
+template <int HD>
+__device__ __forceinline__ void pf_store_row(float *dst, const PfState<HD> &st, int i, float scale) {
+    const int c = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < HD / 8; ++j)
+        *reinterpret_cast<float2 *>(dst + 8 * j + 2 * c) = make_float2(st.o[j][2 * i] * scale, st.o[j][2 * i + 1] * scale);
 }
 
 template <typename T, int HD>
 __device__ void attn_prefill_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                                   float *out, const uint32_t *pos_base, int n_tok, int heads,
-                                  int kv_heads, int capacity, float scale, unsigned char *smem) {
-    using namespace nvcuda;
+                                  int kv_heads, int capacity, float scale, T *smem) {
     using L = PfLayout<HD>;
-    constexpr int LDH = L::LDH, LDS = L::LDS, LDP = L::LDP;
-    __half *s_q = reinterpret_cast<__half *>(smem + L::Q);
-    __half *s_k = reinterpret_cast<__half *>(smem + L::K);
-    __half *s_v = reinterpret_cast<__half *>(smem + L::V);
+    static_assert(HD % 16 == 0 && PF_BN % 16 == 0, "whole mma tiles");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    float *s_s = reinterpret_cast<float *>(smem + L::S) + warp * 16 * LDS;
-    __half *s_p = reinterpret_cast<__half *>(smem + L::P) + warp * 16 * LDP;
-    const int h = blockIdx.x, q0 = blockIdx.y * PF_BM;
+    const int g = lane >> 2, c = lane & 3;  // fragment row (and row + 8), column pair
+    const int h = blockIdx.x;
+    const int q0 = (gridDim.y - 1 - blockIdx.y) * PF_BM;  // q0 < n_tok (grid)
     const int kvh = h / (heads / kv_heads);
-    const uint32_t p0 = pos_base[0];
-    const int last = min(q0 + PF_BM, n_tok) - 1;  // q0 < n_tok (grid)
-    const int kend = (int)min(p0 + (uint32_t)last + 1u, (uint32_t)capacity);
+    const int p0 = (int)pos_base[0];                        // p0 + n_tok <= capacity (host)
+    const int last = min(q0 + PF_BM, n_tok) - 1;
+    const int kend = min(p0 + last + 1, capacity);
     const T *kc = k_cache + (size_t)kvh * capacity * HD;
     const T *vc = v_cache + (size_t)kvh * capacity * HD;
 
-    // q tile (scaled, f16; rows past n_tok as zeros).
-    for (int e = threadIdx.x; e < PF_BM * HD; e += blockDim.x) {
-        const int r = e / HD, d = e % HD, t = q0 + r;
-        s_q[r * LDH + d] = pf_half(t < n_tok ? q[(size_t)t * q_stride + h * HD + d] * scale : 0.0f);
-    }
-    __syncthreads();
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> qf[HD / 16];
-#pragma unroll
-    for (int kk = 0; kk < HD / 16; ++kk) wmma::load_matrix_sync(qf[kk], s_q + warp * 16 * LDH + kk * 16, LDH);
+    pf_load_tile<T, HD, PF_WARPS * 32>(smem, 0, kc, vc, 0, kend);  // in flight while q loads
 
-    // Lane l takes row r = l / 2 of the warp's 16 and the half (l % 2) of each tile's columns.
-    const int r = lane >> 1, c0 = (lane & 1) * (PF_BN / 2);
-    const int t = q0 + warp * 16 + r;
-    const long long lim = (long long)p0 + t;  // last key row t may see
-    float m = FERRUM_NEG_INF, l = 0.0f;
+    // This lane's query rows r0 and r1 = r0 + 8; q scaled by scale * log2(e) (base-2 scores).
+    const int r0 = q0 + warp * 16 + g, r1 = r0 + 8;
+    uint32_t qf[HD / 16][4];
+    pf_q_frags<T, HD>(qf, q + (size_t)r0 * q_stride + h * HD + 2 * c, r0 < n_tok,
+                      q + (size_t)r1 * q_stride + h * HD + 2 * c, r1 < n_tok, scale * 1.4426950408889634f);
+    const int lim[2] = {p0 + r0, p0 + r1};       // the last key each row may see
+    const int wlo = p0 + q0 + warp * 16;          // the warp's smallest limit
+    // The warp's largest limit among real rows (-1: no real row, nothing to compute).
+    const int whi = q0 + warp * 16 < n_tok ? p0 + min(q0 + warp * 16 + 15, n_tok - 1) : -1;
 
-    // Pass 1: row max and sum.
-    for (int k0 = 0; k0 < kend; k0 += PF_BN) {
-        __syncthreads();  // the previous tile is no longer read
-        pf_load_tile<T, HD>(s_k, kc, k0, kend);
-        __syncthreads();
-        pf_scores<HD>(s_s, s_k, qf);
-        __syncwarp();
-        float mt = FERRUM_NEG_INF;
-        for (int c = c0; c < c0 + PF_BN / 2; ++c)
-            if (k0 + c <= lim && k0 + c < kend) mt = fmaxf(mt, s_s[r * LDS + c]);
-        if (mt != FERRUM_NEG_INF) {
-            const float mn = fmaxf(m, mt);
-            float ls = 0.0f;
-            for (int c = c0; c < c0 + PF_BN / 2; ++c)
-                if (k0 + c <= lim && k0 + c < kend) ls += expf(s_s[r * LDS + c] - mn);
-            l = l * expf(m - mn) + ls;
-            m = mn;
+    PfState<HD> st;
+    st.init();
+    const int ntiles = (kend + PF_BN - 1) / PF_BN;
+    for (int it = 0; it < ntiles; ++it) {
+        const int k0 = it * PF_BN, stage = it & 1;
+        if (it + 1 < ntiles) {
+            // Stage stage ^ 1 was last read in iteration it - 1, which ended with a barrier.
+            pf_load_tile<T, HD, PF_WARPS * 32>(smem, stage ^ 1, kc, vc, k0 + PF_BN, kend);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");  // this thread's tile it landed
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
-        __syncwarp();  // s_s is rewritten by the next tile
-    }
-    // The two lanes of a row combine (in lane order, the same on both).
-    {
-        const float mo = __shfl_xor_sync(0xffffffffu, m, 1), lo = __shfl_xor_sync(0xffffffffu, l, 1);
-        const float M = fmaxf(m, mo);
-        const float la = (lane & 1) ? lo : l, ma = (lane & 1) ? mo : m;
-        const float lb = (lane & 1) ? l : lo, mb = (lane & 1) ? m : mo;
-        l = (ma == FERRUM_NEG_INF ? 0.0f : la * expf(ma - M)) + (mb == FERRUM_NEG_INF ? 0.0f : lb * expf(mb - M));
-        m = M;
-    }
-    const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-
-    // Pass 2: O += P V with P = exp(s - m) / l.
-    wmma::fragment<wmma::accumulator, 16, 16, 16, float> of[HD / 16];
-#pragma unroll
-    for (int j = 0; j < HD / 16; ++j) wmma::fill_fragment(of[j], 0.0f);
-    for (int k0 = 0; k0 < kend; k0 += PF_BN) {
-        __syncthreads();
-        pf_load_tile<T, HD>(s_k, kc, k0, kend);
-        pf_load_tile<T, HD>(s_v, vc, k0, kend);
-        __syncthreads();
-        pf_scores<HD>(s_s, s_k, qf);
-        __syncwarp();
-        for (int c = c0; c < c0 + PF_BN / 2; ++c) {
-            const bool on = k0 + c <= lim && k0 + c < kend;
-            s_p[r * LDP + c] = __float2half_rn(on ? expf(s_s[r * LDS + c] - m) * inv_l : 0.0f);
+        __syncthreads();  // every thread's part of tile it is visible
+        if (k0 <= whi) {  // warp-uniform
+            const T *sk = smem + stage * 2 * L::TILE;
+            pf_tile<T, HD>(st, qf, sk, sk + L::TILE, k0, k0 + PF_BN - 1 > wlo || k0 + PF_BN > kend, lim, kend);
         }
-        __syncwarp();
-#pragma unroll
-        for (int kk = 0; kk < PF_BN / 16; ++kk) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> pf;
-            wmma::load_matrix_sync(pf, s_p + kk * 16, LDP);
-#pragma unroll
-            for (int j = 0; j < HD / 16; ++j) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, s_v + kk * 16 * LDH + j * 16, LDH);
-                wmma::mma_sync(of[j], pf, vf, of[j]);
-            }
-        }
+        __syncthreads();  // tile it is no longer read: the next iteration refills its stage
     }
-    // Stage the f32 output in the q/k/v region, then write the block's valid rows.
-    __syncthreads();
-    float *s_o = reinterpret_cast<float *>(smem);  // [PF_BM][HD]
-#pragma unroll
-    for (int j = 0; j < HD / 16; ++j)
-        wmma::store_matrix_sync(s_o + warp * 16 * HD + j * 16, of[j], HD, wmma::mem_row_major);
-    __syncthreads();
-    for (int e = threadIdx.x; e < PF_BM * HD; e += blockDim.x) {
-        const int rr = e / HD, d = e % HD, tt = q0 + rr;
-        if (tt < n_tok) out[(size_t)tt * heads * HD + h * HD + d] = s_o[e];
-    }
+    st.reduce_l();
+    // Every real row sees key 0, so its l > 0.
+    const size_t ost = (size_t)heads * HD;
+    if (r0 < n_tok) pf_store_row<HD>(out + (size_t)r0 * ost + h * HD, st, 0, 1.0f / st.l[0]);
+    if (r1 < n_tok) pf_store_row<HD>(out + (size_t)r1 * ost + h * HD, st, 1, 1.0f / st.l[1]);
 }
+
+// The head-dim switch of the tensor-core kernels (plan::PREFILL_HEAD_DIMS; a unit test checks
+// the list): CALL(HD) for hd in the list, nothing for any other (the host launches these only).
+#define PF_HEAD_DIMS(hd, CALL)                                                                     \
+    switch (hd) {                                                                                  \
+    case 16: CALL(16); break;                                                                      \
+    case 32: CALL(32); break;                                                                      \
+    case 64: CALL(64); break;                                                                      \
+    case 96: CALL(96); break;                                                                      \
+    case 128: CALL(128); break;                                                                    \
+    default: break;                                                                                \
+    }
 
 template <typename T>
 __device__ void attn_prefill(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                              float *out, const uint32_t *pos_base, int n_tok, int heads,
                              int kv_heads, int hd, int capacity, float scale) {
-    __shared__ __align__(128) unsigned char smem[PF_SMEM_BYTES];
-    switch (hd) {
-    case 16:
-        attn_prefill_impl<T, 16>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
-        break;
-    case 32:
-        attn_prefill_impl<T, 32>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
-        break;
-    case 64:
-        attn_prefill_impl<T, 64>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
-        break;
-    case 96:
-        attn_prefill_impl<T, 96>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
-        break;
-    case 128:
-        attn_prefill_impl<T, 128>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem);
-        break;
-    default:
-        break;  // the host launches head dims 16..128 only
+    __shared__ __align__(128) unsigned char smem_raw[PF_SMEM_BYTES];
+    T *smem = reinterpret_cast<T *>(smem_raw);
+#define PF_CALL(HD) \
+    attn_prefill_impl<T, HD>(q, q_stride, k_cache, v_cache, out, pos_base, n_tok, heads, kv_heads, capacity, scale, smem)
+    PF_HEAD_DIMS(hd, PF_CALL)
+#undef PF_CALL
+}
+
+// ---------------------------------------------------------------------------------------------
+// Long-context decode attention on tensor cores (ferrum_attn_gqa_*): one query token, with the
+// G = heads / kv_heads q heads of one KV group as the rows of one warp's 16-row tile (G <= 16,
+// host-checked; rows G..15 are zeros), over one split of the cache. Each K/V row is read once
+// per group (the row-walking kernel above reads it once per q head), and the tiles stream
+// through shared memory with cp.async, one tile ahead, through the prefill kernel's tile step
+// (pf_tile: same numerics). The host takes this path for long caches
+// (plan::attn_tensor_core), after rope_qkv: q is the roped qkv row.
+//
+// grid (kv_heads, n_splits, n_tok), block 32 threads (one warp). Split s covers cache rows
+// [s * chunk, min((s + 1) * chunk, len)) with len = min(pos + 1, capacity) and chunk =
+// ceil(len / n_splits), as in attn_impl. With one split the normalised output goes to `out`;
+// otherwise the unnormalised partial and (max, sum) go to part_acc / part_ml in attn_impl's
+// layout (the max in natural-log units) for attn_combine; an empty split writes max -inf and
+// sum 0, which the combine skips.
+template <typename T, int HD>
+__device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
+                              float *out, float *part_acc, float *part_ml, const uint32_t *pos_base,
+                              int heads, int kv_heads, int capacity, float scale, T *smem) {
+    using L = PfLayout<HD>;
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int kvh = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
+    const int G = heads / kv_heads;
+    const uint32_t pos = pos_base[0] + (uint32_t)tok;
+    const int len = (int)min(pos + 1u, (uint32_t)capacity);
+    const int chunk = (len + n_splits - 1) / n_splits;
+    const int start = min(split * chunk, len), end = min(start + chunk, len);
+    const T *kc = k_cache + (size_t)kvh * capacity * HD;
+    const T *vc = v_cache + (size_t)kvh * capacity * HD;
+    const int ntiles = (end - start + PF_BN - 1) / PF_BN;
+    if (ntiles > 0) pf_load_tile<T, HD, 32>(smem, 0, kc, vc, start, end);  // in flight while q loads
+
+    const int hq[2] = {kvh * G + g, kvh * G + g + 8};  // the q heads of rows g and g + 8
+    const bool real[2] = {g < G, g + 8 < G};
+    const float *qrow = q + (size_t)tok * q_stride + 2 * c;
+    uint32_t qf[HD / 16][4];
+    pf_q_frags<T, HD>(qf, qrow + (size_t)hq[0] * HD, real[0], qrow + (size_t)hq[1] * HD, real[1],
+                      scale * 1.4426950408889634f);
+    const int lim[2] = {end - 1, end - 1};  // every row of the split is at or before pos
+
+    PfState<HD> st;
+    st.init();
+    for (int it = 0; it < ntiles; ++it) {
+        const int k0 = start + it * PF_BN, stage = it & 1;
+        if (it + 1 < ntiles) {
+            // Stage stage ^ 1 was last read in iteration it - 1, which ended with __syncwarp.
+            pf_load_tile<T, HD, 32>(smem, stage ^ 1, kc, vc, k0 + PF_BN, end);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncwarp();  // (memory-ordering among the warp's lanes) every lane's copies visible
+        const T *sk = smem + stage * 2 * L::TILE;
+        pf_tile<T, HD>(st, qf, sk, sk + L::TILE, k0, k0 + PF_BN > end, lim, end);
+        __syncwarp();  // the tile is no longer read: the next iteration refills its stage
     }
+    st.reduce_l();
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        if (!real[i]) continue;
+        const size_t th = (size_t)tok * heads + hq[i];
+        if (n_splits == 1) {
+            pf_store_row<HD>(out + th * HD, st, i, 1.0f / st.l[i]);  // len >= 1: l > 0
+        } else {
+            const size_t slot = th * n_splits + split;
+            pf_store_row<HD>(part_acc + slot * HD, st, i, 1.0f);
+            if (c == 0) {
+                part_ml[slot * 2] = st.m[i] * 0.6931471805599453f;  // base 2 -> natural log
+                part_ml[slot * 2 + 1] = st.l[i];
+            }
+        }
+    }
+}
+
+template <typename T>
+__device__ void attn_gqa(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
+                         float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
+                         int kv_heads, int hd, int capacity, float scale) {
+    __shared__ __align__(128) unsigned char smem_raw[PF_SMEM_BYTES];
+    T *smem = reinterpret_cast<T *>(smem_raw);
+#define PF_CALL(HD)                                                                                \
+    attn_gqa_impl<T, HD>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,   \
+                         kv_heads, capacity, scale, smem)
+    PF_HEAD_DIMS(hd, PF_CALL)
+#undef PF_CALL
 }
 
 // grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits (the unfused path).
@@ -796,6 +994,14 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         attn<T, true, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters,     \
                             pos_base, heads, kv_heads, hd, capacity, scale, rope);                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32) ferrum_attn_gqa_##S(                          \
+        const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
+        float *part_acc, float *part_ml, const uint32_t *pos_base, int heads, int kv_heads,        \
+        int hd, int capacity, float scale) {                                                       \
+        FERRUM_PDL_ENTRY();                                                                        \
+        attn_gqa<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,        \
+                    kv_heads, hd, capacity, scale);                                                \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \

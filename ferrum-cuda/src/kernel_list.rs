@@ -64,6 +64,9 @@ kernels! {
     /// Prefill attention on tensor cores (head dims 16, 32, 64, 96, 128).
     AttnPrefillF16 => "ferrum_attn_prefill_f16" in "attention",
     AttnPrefillBf16 => "ferrum_attn_prefill_bf16" in "attention",
+    /// Long-context decode attention on tensor cores (one KV group's q heads as the rows).
+    AttnGqaF16 => "ferrum_attn_gqa_f16" in "attention",
+    AttnGqaBf16 => "ferrum_attn_gqa_bf16" in "attention",
     /// Combine of the split-KV partials.
     AttnCombineF16 => "ferrum_attn_combine_f16" in "attention",
     AttnCombineBf16 => "ferrum_attn_combine_bf16" in "attention",

@@ -74,9 +74,29 @@ pub const ATTN_MAX_WARPS: u32 = 8;
 /// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
 /// others take the row-walking kernel.
 pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
+/// Caches of at least this many rows take the tensor-core decode attention
+/// (`ferrum_attn_gqa_*`, after a separate `rope_qkv`) instead of the fused row-walking kernel,
+/// which reads every K/V row once per q head. Overridden by `FERRUM_ATTN_TC_MIN_CAPACITY`.
+pub const ATTN_TC_MIN_CAPACITY: usize = 2048;
+/// Most q heads per KV head that the tensor-core decode attention takes (the 16 rows of one
+/// mma tile).
+pub const ATTN_TC_MAX_GROUP: usize = 16;
+
+/// Whether a decode step over a cache of `capacity` rows takes the tensor-core attention: head
+/// dims of the tensor-core kernels, at most [`ATTN_TC_MAX_GROUP`] q heads per KV head, and a
+/// capacity of at least `min_capacity` (a launch shape: the graph of a step depends on the
+/// capacity, never on the length).
+pub fn attn_tensor_core(head_dim: usize, heads: usize, kv_heads: usize, capacity: usize, min_capacity: usize) -> bool {
+    PREFILL_HEAD_DIMS.contains(&head_dim)
+        && kv_heads > 0
+        && heads % kv_heads == 0
+        && heads / kv_heads <= ATTN_TC_MAX_GROUP
+        && capacity >= min_capacity
+}
+
 /// Warps per block of the prefill attention (attention.cu's `PF_WARPS`); each takes 16 query
 /// rows, so a block covers `16 * PREFILL_WARPS` rows.
-pub const PREFILL_WARPS: u32 = 2;
+pub const PREFILL_WARPS: u32 = 4;
 
 /// KV splits of the decode attention for a sequence of `capacity` tokens, fixed per sequence so
 /// the grid never changes (the kernel spreads the current length over them): at least about
@@ -194,11 +214,35 @@ mod tests {
         assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
         assert_eq!(define(attn, "ATTN_MAX_WARPS"), ATTN_MAX_WARPS as usize);
         assert_eq!(define(attn, "PF_WARPS"), PREFILL_WARPS as usize);
+        // The tensor-core kernels' head-dim switch is exactly PREFILL_HEAD_DIMS.
+        let switch = attn.split("#define PF_HEAD_DIMS").nth(1).expect("PF_HEAD_DIMS");
+        let switch = &switch[..switch.find("default:").expect("default")];
+        let cases: Vec<usize> = switch
+            .split("case ")
+            .skip(1)
+            .map(|c| c.split(':').next().and_then(|n| n.trim().parse().ok()).expect("case"))
+            .collect();
+        assert_eq!(cases, PREFILL_HEAD_DIMS);
         for hd in PREFILL_HEAD_DIMS {
-            assert!(attn.contains(&format!("attn_prefill_impl<T, {hd}>(")), "prefill head dim {hd}");
+            assert!(switch.contains(&format!("case {hd}: CALL({hd}); break;")), "head dim {hd}");
         }
         let gemv = include_str!("../kernels/gemv.cu");
         assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
+    }
+
+    #[test]
+    fn tensor_core_decode_only_for_long_caches_and_its_shapes() {
+        let m = ATTN_TC_MIN_CAPACITY;
+        assert!(attn_tensor_core(128, 32, 8, 8192, m)); // Llama-3-8B at 8k
+        assert!(attn_tensor_core(64, 9, 3, m, m)); // SmolLM2-135M, exactly the threshold
+        assert!(!attn_tensor_core(128, 32, 8, m - 1, m)); // short caches keep the fused kernel
+        assert!(!attn_tensor_core(256, 8, 4, 8192, m)); // head dim outside the kernels' switch
+        assert!(!attn_tensor_core(80, 8, 4, 8192, m));
+        assert!(!attn_tensor_core(64, 32, 1, 8192, m)); // 32 q heads per KV head: > 16 rows
+        assert!(attn_tensor_core(64, 16, 1, 8192, m));
+        assert!(!attn_tensor_core(64, 6, 4, 8192, m)); // not a whole group
+        assert!(!attn_tensor_core(64, 4, 0, 8192, m));
+        assert!(!attn_tensor_core(128, 32, 8, 1 << 20, usize::MAX)); // the knob's "never"
     }
 
     #[test]

@@ -5,8 +5,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use ferrum_cuda::{
-    CudaDecodeRunner, CudaModelSpec, DType, Error, Fusion, HostData, HostLayer, HostTensor, HostWeights, Projection,
-    SUPPORTED_HEAD_DIMS,
+    plan, CudaDecodeRunner, CudaModelSpec, DType, Error, Fusion, HostData, HostLayer, HostTensor, HostWeights,
+    Projection, SUPPORTED_HEAD_DIMS,
 };
 use std::time::Instant;
 
@@ -704,38 +704,57 @@ fn attention_every_head_dim() {
                 want = rf.step(next);
                 refs.push(want.clone());
             }
-            for splits in [1usize, 5] {
+            // A cache of plan::ATTN_TC_MIN_CAPACITY rows takes the tensor-core decode attention
+            // (for the head dims it has), a short one the fused row-walking kernel.
+            let mut capacities = vec![prompt + steps + 1];
+            if plan::attn_tensor_core(hd, a.heads, a.kv_heads, plan::ATTN_TC_MIN_CAPACITY, plan::ATTN_TC_MIN_CAPACITY) {
+                capacities.push(plan::ATTN_TC_MIN_CAPACITY);
+            }
+            for (&cap, splits) in capacities.iter().flat_map(|c| [(c, 1usize), (c, 5)]) {
+                let tc = cap >= plan::ATTN_TC_MIN_CAPACITY;
                 let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
                 // Only the RoPE fusion differs (the norm fusion rounds differently by design).
                 for fusion in [Fusion::ALL, Fusion { rope: false, ..Fusion::ALL }] {
                     let (_, _, mut r) = build(a, dtype, 5);
                     r.set_fusion(fusion);
-                    r.init_sequence(1, prompt + steps + 1).unwrap();
+                    r.init_sequence(1, cap).unwrap();
                     r.set_attention_splits(1, splits).unwrap();
                     r.prefill(1, &toks).unwrap();
                     let mut got = Vec::new();
                     let mut logits = Vec::new();
                     let mut worst = 0.0f64;
                     for (i, &t) in fed.iter().enumerate() {
-                        r.decode_step(1, t, prompt + i).unwrap();
+                        if i + 1 == fed.len() {
+                            // The last step profiled: which attention kernel ran.
+                            let prof = r.profile_decode_step(1, t, prompt + i).unwrap();
+                            let gqa = prof.iter().filter(|(n, _)| n.starts_with("ferrum_attn_gqa_")).count();
+                            if gqa != if tc { a.layers } else { 0 } {
+                                failures
+                                    .push(format!("hd {hd} {dtype:?} cap {cap}: {gqa} tensor-core attention launches"));
+                            }
+                        } else {
+                            r.decode_step(1, t, prompt + i).unwrap();
+                        }
                         r.logits_to_host(&mut got).unwrap();
                         worst = worst.max(rel_err(&got, &refs[i]));
                         logits.push(got.clone());
                     }
                     println!(
-                        "ATTN hd {hd:<3} {:<4} splits {splits} rope fused {:<5}: max rel err {worst:.2e} (tol {:.0e})",
+                        "ATTN hd {hd:<3} {:<4} cap {cap:<4} splits {splits} rope fused {:<5}: max rel err {worst:.2e} (tol {:.0e})",
                         dtype.name(),
                         fusion.rope,
                         tol(dtype)
                     );
                     if worst > tol(dtype) {
-                        failures.push(format!("hd {hd} {dtype:?} splits {splits} {fusion:?}: rel err {worst:.3e}"));
+                        failures.push(format!(
+                            "hd {hd} {dtype:?} cap {cap} splits {splits} {fusion:?}: rel err {worst:.3e}"
+                        ));
                     }
                     runs.push(logits);
                 }
                 let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
                 if bits(&runs[0]) != bits(&runs[1]) {
-                    failures.push(format!("hd {hd} {dtype:?} splits {splits}: fused RoPE not bit-identical"));
+                    failures.push(format!("hd {hd} {dtype:?} cap {cap} splits {splits}: fused RoPE not bit-identical"));
                 }
             }
         }

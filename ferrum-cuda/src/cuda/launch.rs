@@ -258,6 +258,10 @@ pub(crate) struct Kernels {
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
+    /// Decode over caches of at least this many rows takes the tensor-core attention
+    /// (`plan::attn_tensor_core`; `plan::ATTN_TC_MIN_CAPACITY`, or
+    /// `FERRUM_ATTN_TC_MIN_CAPACITY`).
+    pub(crate) attn_tc_min_capacity: usize,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
@@ -379,7 +383,17 @@ impl Kernels {
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
-        tracing::debug!(pdl, ?fusion, norms_max_hidden, ?attn_splits, gemv_max_ks, "kernels loaded");
+        let attn_tc_min_capacity =
+            knob("FERRUM_ATTN_TC_MIN_CAPACITY", 1, u32::MAX as usize)?.unwrap_or(crate::plan::ATTN_TC_MIN_CAPACITY);
+        tracing::debug!(
+            pdl,
+            ?fusion,
+            norms_max_hidden,
+            ?attn_splits,
+            gemv_max_ks,
+            attn_tc_min_capacity,
+            "kernels loaded"
+        );
         Ok(Kernels {
             funcs,
             _modules: modules,
@@ -394,6 +408,7 @@ impl Kernels {
             norms_max_hidden,
             attn_splits,
             gemv_max_ks,
+            attn_tc_min_capacity,
             marks: RefCell::new(None),
         })
     }
@@ -708,15 +723,99 @@ impl Kernels {
             .arg(&cap)
             .arg(&scale);
         let grid = (heads as u32, grid1(n_tok.div_ceil(PREFILL_ROWS_PER_BLOCK))?, 1);
-        // SAFETY: block (h, b) reads the f32 q rows t = 32b .. 32b + 31 (t < n_tok) at
-        // t*q_stride + h*hd .. +hd, pos[0], and cache rows [kvh][0 .. min(pos[0] + t + 1,
-        // capacity)) (16-byte loads: cache regions start at multiples of head_dim elements of a
-        // 256-byte-aligned allocation, head_dim % 16 == 0); it writes the f32 out[t][h*hd .. +hd)
-        // for t < n_tok only. Extents checked above; blocks of PREFILL_THREADS threads
-        // (PREFILL_WARPS warps of 16 query rows: PREFILL_ROWS_PER_BLOCK rows, as the kernel's
-        // PF_WARPS and PF_BM; a unit test compares the constants); signature (const f32*, int, const T*, const T*, f32*,
-        // const u32*, int x6, float) matches.
+        // SAFETY: block (h, y) takes the query rows t = R*b .. R*b + R - 1 with b = gridDim.y - 1
+        // - y and R = PREFILL_ROWS_PER_BLOCK; it reads the f32 q rows t < n_tok at t*q_stride +
+        // h*hd .. +hd (8-byte loads: q_stride, h*hd and the column are even), pos[0], and cache
+        // rows [kvh][0 .. min(pos[0] + t_last + 1, capacity)) with 16-byte cp.async copies (cache
+        // regions start at multiples of head_dim elements of a 256-byte-aligned allocation,
+        // head_dim % 16 == 0; rows past that end are zero-filled, reading nothing); it writes
+        // the f32 out[t][h*hd .. +hd) for t < n_tok only. Extents checked above; blocks of
+        // PREFILL_THREADS threads (PREFILL_WARPS warps of 16 query rows, as the kernel's
+        // PF_WARPS and PF_BM; a unit test compares the constants); static shared memory only;
+        // signature (const f32*, int, const T*, const T*, f32*, const u32*, int x6, float)
+        // matches.
         unsafe { b.launch(cfg(grid, PREFILL_THREADS)) }.map_err(Error::driver("attn_prefill"))?;
+        Ok(())
+    }
+
+    /// Decode attention of one token per launch row (`n_tok` rows of q, row stride `q_stride`,
+    /// roped) over one layer's cache on tensor cores (attention.cu's `ferrum_attn_gqa_*`), the
+    /// q heads of each KV group as the rows of one tile: `out` `[n_tok][heads*head_dim]` f32
+    /// with one split, else the partials for [`attn_combine`](Self::attn_combine). Shapes
+    /// outside `plan::attn_tensor_core` are refused.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attn_gqa(
+        &self,
+        q: Region<'_, f32>,
+        q_stride: usize,
+        k_cache: Region<'_, u16>,
+        v_cache: Region<'_, u16>,
+        out: Region<'_, f32>,
+        part_acc: Region<'_, f32>,
+        part_ml: Region<'_, f32>,
+        pos: Region<'_, u32>,
+        n_tok: usize,
+        n_splits: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        capacity: usize,
+    ) -> Result<()> {
+        if !crate::plan::attn_tensor_core(head_dim, heads, kv_heads, capacity, 0) {
+            return Err(Error::Internal(format!("attn_gqa: head_dim {head_dim}, heads {heads}/{kv_heads}")));
+        }
+        if n_tok == 0 || q_stride < heads * head_dim || n_splits == 0 || n_splits > crate::plan::MAX_SPLITS {
+            return Err(Error::Internal(format!("attn_gqa: {n_tok} tokens, q stride {q_stride}, {n_splits} splits")));
+        }
+        let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn_gqa q")?;
+        let pk = k_cache.need(kv_heads * capacity * head_dim, "attn_gqa k cache")?;
+        let pv = v_cache.need(kv_heads * capacity * head_dim, "attn_gqa v cache")?;
+        let (po, pa, pm) = if n_splits == 1 {
+            (out.need(n_tok * heads * head_dim, "attn_gqa out")?, 0u64, 0u64)
+        } else {
+            (
+                0u64,
+                part_acc.need(n_tok * heads * n_splits * head_dim, "attn_gqa part_acc")?,
+                part_ml.need(n_tok * heads * n_splits * 2, "attn_gqa part_ml")?,
+            )
+        };
+        let ppos = pos.need(1, "attn_gqa pos")?;
+        let (qs, h, kvh, hd, cap) = (
+            i32_of(q_stride, "q_stride")?,
+            i32_of(heads, "heads")?,
+            i32_of(kv_heads, "kv_heads")?,
+            i32_of(head_dim, "head_dim")?,
+            i32_of(capacity, "capacity")?,
+        );
+        let scale = 1.0f32 / (head_dim as f32).sqrt();
+        let mut b = self.builder(pick(self.dtype, Kernel::AttnGqaF16, Kernel::AttnGqaBf16));
+        b.arg(&pq)
+            .arg(&qs)
+            .arg(&pk)
+            .arg(&pv)
+            .arg(&po)
+            .arg(&pa)
+            .arg(&pm)
+            .arg(&ppos)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&hd)
+            .arg(&cap)
+            .arg(&scale);
+        let grid = (kv_heads as u32, n_splits as u32, grid1(n_tok)?);
+        // SAFETY: block (g, s, t) reads pos[0], the f32 q row t at t*q_stride + h*hd .. +hd
+        // (8-byte loads: q_stride, h*hd and the column are even) for the group's heads h =
+        // g*G .. g*G + G - 1 (G = heads / kv_heads <= 16, checked above), and cache rows
+        // [g][s*chunk .. min((s+1)*chunk, len)) with len = min(pos[0] + t + 1, capacity), by
+        // 16-byte cp.async copies (cache regions start at multiples of head_dim elements of a
+        // 256-byte-aligned allocation, head_dim % 16 == 0; tile rows past the split are
+        // zero-filled, reading nothing). With one split it writes out[t][h*hd .. +hd), else
+        // part_acc[(t*heads + h)*n_splits + s][..hd] and part_ml[..][0..2] (a null pointer is
+        // never written: each pointer is read only on its own branch of n_splits == 1).
+        // Extents checked above; one warp per block, static shared memory only; signature
+        // (const f32*, int, const T*, const T*, f32*, f32*, f32*, const u32*, int x4, float)
+        // matches.
+        unsafe { b.launch(cfg(grid, 32)) }.map_err(Error::driver("attn_gqa"))?;
         Ok(())
     }
 

@@ -1374,7 +1374,11 @@ fn forward(
             eps,
             early,
         };
-        let fused_rope = k.fuse_rope && decode && n == 1;
+        // Long caches: the tensor-core decode attention, after the separate rope kernel.
+        let tensor_core = decode
+            && n == 1
+            && crate::plan::attn_tensor_core(s.head_dim, s.heads, s.kv_heads, seq.capacity, k.attn_tc_min_capacity);
+        let fused_rope = k.fuse_rope && decode && n == 1 && !tensor_core;
         if !fused_rope {
             k.rope_qkv(
                 region(&a.qkv, st, 0, n * qkv_dim)?,
@@ -1408,6 +1412,34 @@ fn forward(
                 s.head_dim,
                 seq.capacity,
             )?;
+        } else if tensor_core {
+            k.attn_gqa(
+                region(&a.qkv, st, 0, qkv_dim)?,
+                qkv_dim,
+                kc,
+                vc,
+                region(&a.attn, st, 0, q_dim)?,
+                whole(&a.part_acc, st)?,
+                whole(&a.part_ml, st)?,
+                pos,
+                1,
+                splits,
+                s.heads,
+                s.kv_heads,
+                s.head_dim,
+                seq.capacity,
+            )?;
+            if splits > 1 {
+                k.attn_combine(
+                    region(&a.attn, st, 0, q_dim)?,
+                    whole(&a.part_acc, st)?,
+                    whole(&a.part_ml, st)?,
+                    1,
+                    splits,
+                    s.heads,
+                    s.head_dim,
+                )?;
+            }
         } else {
             // Several splits (decode only, one token): the attention kernel's last split block
             // merges them, unless fusion is off (then a combine kernel does).
