@@ -88,24 +88,41 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
     }
 }
 
+// Most KV splits (plan::MAX_SPLITS): the merge keeps one weight per split in shared memory.
+#define ATTN_MAX_SPLITS 64
+
 // Merges the n_splits partials of (token `tok`, head `h`) into out[tok][h*hd + d] for
 // d = threadIdx.x, threadIdx.x + blockDim.x, ... < hd, in split order (so the result does not
-// depend on which block runs it). `ld` loads a partial (plain, or L2-coherent `__ldcg` when
-// other blocks wrote it in the same launch).
+// depend on which block runs it, nor on its size). Partials are read through L2 (__ldcg: other
+// blocks may have written them in the same launch). Called by every thread of the block
+// (blockDim.x >= 32): the first warp computes the max M and each split's weight exp(m_s - M)
+// (0 for an empty split) into shared memory, then each thread sums its columns with the
+// weights in split order; the loads of that sum do not depend on one another, so they are in
+// flight together (a loop that loads m_s and branches per split waits on each load in turn,
+// ~30 us for 64 splits at head dim 128).
 __device__ __forceinline__ void merge_into(float *out, const float *part_acc, const float *part_ml,
                                            int tok, int h, int heads, int hd, int n_splits) {
+    __shared__ float s_w[ATTN_MAX_SPLITS], s_l[ATTN_MAX_SPLITS];
     const size_t base = ((size_t)tok * heads + h) * n_splits;
-    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+    if (threadIdx.x < 32) {
         float M = FERRUM_NEG_INF;
-        for (int s = 0; s < n_splits; ++s) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
-        float L = 0.0f, A = 0.0f;
-        for (int s = 0; s < n_splits; ++s) {
+        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));  // exact
+        for (int s = threadIdx.x; s < n_splits; s += 32) {
             const float ms = __ldcg(part_ml + (base + s) * 2);
-            if (ms == FERRUM_NEG_INF) continue;
-            const float w = expf(ms - M);
-            L += __ldcg(part_ml + (base + s) * 2 + 1) * w;
-            A += __ldcg(part_acc + (base + s) * hd + d) * w;
+            s_w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
+            s_l[s] = __ldcg(part_ml + (base + s) * 2 + 1);
         }
+    }
+    __syncthreads();
+    float L = 0.0f;
+    for (int s = 0; s < n_splits; ++s) L = fmaf(s_l[s], s_w[s], L);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        const float *acc = part_acc + base * hd + d;
+        float A = 0.0f;
+#pragma unroll 16
+        for (int s = 0; s < n_splits; ++s) A = fmaf(__ldcg(acc + (size_t)s * hd), s_w[s], A);
         out[(size_t)tok * heads * hd + h * hd + d] = L > 0.0f ? A / L : 0.0f;
     }
 }

@@ -213,6 +213,7 @@ mod tests {
         let attn = include_str!("../kernels/attention.cu");
         assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
         assert_eq!(define(attn, "ATTN_MAX_WARPS"), ATTN_MAX_WARPS as usize);
+        assert_eq!(define(attn, "ATTN_MAX_SPLITS"), MAX_SPLITS);
         assert_eq!(define(attn, "PF_WARPS"), PREFILL_WARPS as usize);
         // The tensor-core kernels' head-dim switch is exactly PREFILL_HEAD_DIMS.
         let switch = attn.split("#define PF_HEAD_DIMS").nth(1).expect("PF_HEAD_DIMS");

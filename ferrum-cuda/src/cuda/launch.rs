@@ -316,7 +316,7 @@ impl GemvVariant {
     }
     /// Row groups per block (each `ks` warps).
     fn groups(self) -> usize {
-        (self.block / 32 / self.ks).max(1) as usize
+        (self.block / 32 / self.ks.max(1)).max(1) as usize
     }
     fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
         grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * self.groups()))

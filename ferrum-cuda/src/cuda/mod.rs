@@ -1336,8 +1336,10 @@ fn forward(
     }
     let splits = if decode { seq.n_splits } else { 1 };
     // Decode: warps, and whether the fused kernel copies its split's rows before the
-    // programmatic-launch wait (plan::attn_warps).
+    // programmatic-launch wait (plan::attn_warps). Only with PDL: without it (the compute_80
+    // PTX) the copies gain nothing, and their shared memory would only cost occupancy.
     let (attn_warps, early) = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { (4, false) };
+    let early = early && k.pdl;
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
