@@ -77,7 +77,12 @@ pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
 /// Caches of at least this many rows take the tensor-core decode attention
 /// (`ferrum_attn_gqa_*`, after a separate `rope_qkv`) instead of the fused row-walking kernel,
 /// which reads every K/V row once per q head. Overridden by `FERRUM_ATTN_TC_MIN_CAPACITY`.
-pub const ATTN_TC_MIN_CAPACITY: usize = 2048;
+/// Measured on one H200 (session 12, `FERRUM_ATTN_TC_MIN_CAPACITY` A/B alternating within one
+/// device call, bf16, 256 new tokens): capacity 8192, Llama-3-8B 183 vs 167 tok/s; 2176: 8B 224
+/// vs 207, Llama-3.2-1B 1118 vs 1001; 1024: 8B 226 vs 211, 1B 1113 vs 1072; 384: 8B 223 vs
+/// 226, 1B 1137 vs 1176, SmolLM2-135M 1897 vs 1939 (the fused kernel's early copies win
+/// there). So 1024.
+pub const ATTN_TC_MIN_CAPACITY: usize = 1024;
 /// Most q heads per KV head that the tensor-core decode attention takes (the 16 rows of one
 /// mma tile).
 pub const ATTN_TC_MAX_GROUP: usize = 16;
