@@ -585,6 +585,10 @@ impl Kernels {
         if n_tok == 0 {
             return Err(Error::Internal("attn: no tokens".into()));
         }
+        // The split merge keeps one weight per split in shared memory (ATTN_MAX_SPLITS).
+        if n_splits == 0 || n_splits > crate::plan::MAX_SPLITS {
+            return Err(Error::Internal(format!("attn: {n_splits} splits")));
+        }
         let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn q")?;
         let pk = k_cache.need(kv_heads * capacity * head_dim, "attn k cache")?;
         let pv = v_cache.need(kv_heads * capacity * head_dim, "attn v cache")?;
@@ -650,7 +654,8 @@ impl Kernels {
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
         // ((t*heads + h)*n_splits + s); with counters, it increments counters[t*heads + h] and
-        // the last block of (t, h) reads those partials and writes out[t][h*hd .. +hd); all
+        // the last block of (t, h) reads those partials and writes out[t][h*hd .. +hd)
+        // (n_splits <= MAX_SPLITS, the size of the merge's shared weight arrays); all
         // extents checked above; the unused outputs are null and never touched; signature
         // (const f32*, int, const T*, const T*, f32*, f32*, f32*, u32*, const u32*, int x4,
         // float) matches. With rope (one token, q the whole raw row, checked above) the kernel
@@ -831,6 +836,10 @@ impl Kernels {
         heads: usize,
         head_dim: usize,
     ) -> Result<()> {
+        // The merge keeps one weight per split in shared memory (ATTN_MAX_SPLITS).
+        if n_splits == 0 || n_splits > crate::plan::MAX_SPLITS {
+            return Err(Error::Internal(format!("attn_combine: {n_splits} splits")));
+        }
         let po = out.need(n_tok * heads * head_dim, "combine out")?;
         let pa = part_acc.need(n_tok * heads * n_splits * head_dim, "combine part_acc")?;
         let pm = part_ml.need(n_tok * heads * n_splits * 2, "combine part_ml")?;
@@ -839,7 +848,8 @@ impl Kernels {
         b.arg(&po).arg(&pa).arg(&pm).arg(&h).arg(&hd).arg(&ns);
         let block = head_dim.div_ceil(32) as u32 * 32;
         // SAFETY: block (h, t) thread d < hd reads partials ((t*heads + h)*n_splits + s) for
-        // s < n_splits and writes the f32 out[t][h*hd + d]; extents checked above.
+        // s < n_splits and writes the f32 out[t][h*hd + d]; extents checked above, and
+        // n_splits <= MAX_SPLITS, the size of the merge's shared weight arrays.
         unsafe { b.launch(cfg((heads as u32, grid1(n_tok)?, 1), block)) }.map_err(Error::driver("attn_combine"))?;
         Ok(())
     }
