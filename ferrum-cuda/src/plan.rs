@@ -83,6 +83,13 @@ pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
 /// 226, 1B 1137 vs 1176, SmolLM2-135M 1897 vs 1939 (the fused kernel's early copies win
 /// there). So 1024.
 pub const ATTN_TC_MIN_CAPACITY: usize = 1024;
+/// The tensor-core decode threshold from `FERRUM_ATTN_TC_MIN_CAPACITY` (`None` when unset:
+/// [`ATTN_TC_MIN_CAPACITY`]): a row count of at least 1 (1 takes every cache; a count above any
+/// capacity, none).
+pub fn attn_tc_min_capacity(value: Option<&str>) -> crate::Result<usize> {
+    Ok(knob("FERRUM_ATTN_TC_MIN_CAPACITY", value, 1, u32::MAX as usize)?.unwrap_or(ATTN_TC_MIN_CAPACITY))
+}
+
 /// Most q heads per KV head that the tensor-core decode attention takes (the 16 rows of one
 /// mma tile).
 pub const ATTN_TC_MAX_GROUP: usize = 16;
@@ -234,6 +241,17 @@ mod tests {
         }
         let gemv = include_str!("../kernels/gemv.cu");
         assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
+    }
+
+    #[test]
+    fn tensor_core_threshold_knob() {
+        assert_eq!(attn_tc_min_capacity(None).unwrap(), ATTN_TC_MIN_CAPACITY);
+        assert_eq!(attn_tc_min_capacity(Some("1")).unwrap(), 1);
+        assert_eq!(attn_tc_min_capacity(Some("100000000")).unwrap(), 100_000_000);
+        for bad in ["0", "-1", "", "many", "1e6", "4294967296"] {
+            let e = attn_tc_min_capacity(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_ATTN_TC_MIN_CAPACITY") && e.contains("1..=4294967295"), "{bad}: {e}");
+        }
     }
 
     #[test]

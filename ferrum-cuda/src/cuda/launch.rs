@@ -383,8 +383,7 @@ impl Kernels {
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
-        let attn_tc_min_capacity =
-            knob("FERRUM_ATTN_TC_MIN_CAPACITY", 1, u32::MAX as usize)?.unwrap_or(crate::plan::ATTN_TC_MIN_CAPACITY);
+        let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
         tracing::debug!(
             pdl,
             ?fusion,
