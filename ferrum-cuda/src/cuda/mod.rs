@@ -1340,6 +1340,18 @@ fn forward(
     // PTX) the copies gain nothing, and their shared memory would only cost occupancy.
     let (attn_warps, early) = if decode { attn_warps(s.head_dim, seq.capacity.div_ceil(splits)) } else { (4, false) };
     let early = early && k.pdl;
+    // Which attention runs (the same for every layer): prompt chunks of PREFILL_MIN_TOKENS or
+    // more take the tensor-core prefill kernel; one decode token over a long cache the
+    // tensor-core decode kernel, after the separate rope kernel; otherwise the row-walking
+    // kernel, with RoPE inside it when fused.
+    let prefill_tc = !decode && n >= PREFILL_MIN_TOKENS && crate::plan::PREFILL_HEAD_DIMS.contains(&s.head_dim);
+    let tensor_core = decode
+        && n == 1
+        && crate::plan::attn_tensor_core(s.head_dim, s.heads, s.kv_heads, seq.capacity, k.attn_tc_min_capacity);
+    let fused_rope = k.fuse_rope && decode && n == 1 && !tensor_core;
+    // Several splits (decode only, one token): the row-walking kernel's last split block merges
+    // them when fused; otherwise (fusion off, or the tensor-core kernel) a combine kernel does.
+    let fused_merge = k.fuse_merge && splits > 1 && n == 1 && !tensor_core;
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
@@ -1376,11 +1388,6 @@ fn forward(
             eps,
             early,
         };
-        // Long caches: the tensor-core decode attention, after the separate rope kernel.
-        let tensor_core = decode
-            && n == 1
-            && crate::plan::attn_tensor_core(s.head_dim, s.heads, s.kv_heads, seq.capacity, k.attn_tc_min_capacity);
-        let fused_rope = k.fuse_rope && decode && n == 1 && !tensor_core;
         if !fused_rope {
             k.rope_qkv(
                 region(&a.qkv, st, 0, n * qkv_dim)?,
@@ -1399,8 +1406,7 @@ fn forward(
                 eps,
             )?;
         }
-        // Prompts of PREFILL_MIN_TOKENS tokens or more: the tensor-core attention.
-        if !decode && n >= PREFILL_MIN_TOKENS && crate::plan::PREFILL_HEAD_DIMS.contains(&s.head_dim) {
+        if prefill_tc {
             k.attn_prefill(
                 region(&a.qkv, st, 0, n * qkv_dim)?,
                 qkv_dim,
@@ -1431,21 +1437,7 @@ fn forward(
                 s.head_dim,
                 seq.capacity,
             )?;
-            if splits > 1 {
-                k.attn_combine(
-                    region(&a.attn, st, 0, q_dim)?,
-                    whole(&a.part_acc, st)?,
-                    whole(&a.part_ml, st)?,
-                    1,
-                    splits,
-                    s.heads,
-                    s.head_dim,
-                )?;
-            }
         } else {
-            // Several splits (decode only, one token): the attention kernel's last split block
-            // merges them, unless fusion is off (then a combine kernel does).
-            let fused_merge = k.fuse_merge && splits > 1 && n == 1;
             k.attn(
                 fused_rope.then_some(rope),
                 region(&a.qkv, st, 0, n * qkv_dim)?,
@@ -1465,17 +1457,17 @@ fn forward(
                 s.head_dim,
                 seq.capacity,
             )?;
-            if splits > 1 && !fused_merge {
-                k.attn_combine(
-                    region(&a.attn, st, 0, n * q_dim)?,
-                    whole(&a.part_acc, st)?,
-                    whole(&a.part_ml, st)?,
-                    n,
-                    splits,
-                    s.heads,
-                    s.head_dim,
-                )?;
-            }
+        }
+        if splits > 1 && !fused_merge {
+            k.attn_combine(
+                region(&a.attn, st, 0, n * q_dim)?,
+                whole(&a.part_acc, st)?,
+                whole(&a.part_ml, st)?,
+                n,
+                splits,
+                s.heads,
+                s.head_dim,
+            )?;
         }
         if fused_norms {
             // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h
