@@ -8,7 +8,7 @@
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
 #   (also SKIP_SUITE, SKIP_MEMCHECK, SKIP_TPCLI, SKIP_NOPDL, SKIP_NOFUSE, SKIP_PROFILE, SKIP_LONG,
-#   SKIP_HOSTLOOP, SKIP_PEER; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
+#   SKIP_HOSTLOOP, SKIP_PEER, SKIP_TP2NCCL; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/ferrum-gpu-out}
@@ -115,8 +115,17 @@ PY
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']:.0f} tok/s\")" "$OUT/bench-$m-host.json" | tee -a "$S"
         done
     fi
+    if [ "$GPUS" -ge 2 ] && [ -z "${SKIP_TP2NCCL:-}" ]; then
+        say "== the same TP2 runs with FERRUM_ALLREDUCE=nccl (NCCL all-reduce + separate add + RMSNorm)"
+        for m in ${TP2_MODELS:-${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}}; do
+            FERRUM_ALLREDUCE=nccl "$B/ferrum" bench --device cuda --tp 2 --synthetic "$m" --dtype bf16 --prompt-tokens 128 \
+                --gen-tokens 256 --runs 3 --json >"$OUT/bench-$m-tp2nccl.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] nccl: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" \
+                "$OUT/bench-$m-tp2nccl.json" | tee -a "$S"
+        done
+    fi
     if [ "$GPUS" -ge 2 ]; then
-        say "== all-reduce latency (NCCL, 2 GPUs, in a graph and eager)"
+        say "== all-reduce latency (NCCL and the one-shot peer kernel, 2 GPUs, in a graph and eager)"
         "$B/ferrum" bench --all-reduce --device cuda --tp 2 --hidden 4096 2>>"$OUT/bench.log" | tee -a "$S"
     fi
     for f in "$OUT"/bench-*.json; do  # early copy, in case the peer runs past a time limit

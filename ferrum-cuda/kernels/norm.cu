@@ -2,6 +2,7 @@
 // The residual stream `x`, the normalised outputs `y` and the deltas are fp32 (only the
 // weights are in the model dtype).
 #include "common.cuh"
+#include "peer.cuh"
 
 // x[row][:] = table[tokens[row]][:] (as fp32). One block per row.
 // A token id >= vocab (the host validates ids first) yields a zero row, never an out-of-bounds read.
@@ -71,3 +72,28 @@ __device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w, 
 
 FERRUM_NORM(f16, f16)
 FERRUM_NORM(bf16, bf16)
+
+// In-place sum of data[0..n) over the ranks of a peer group (peer.cuh). One block.
+extern "C" __global__ void ferrum_peer_all_reduce(PeerArgs a, float *data, int n) {
+    FERRUM_PDL_ENTRY();
+    const float *slots = peer_exchange(a, data, n);
+    if (slots) peer_sum(a, slots, data, data, n);
+}
+
+// delta = sum over ranks of delta; then add_rmsnorm (x += delta; y = rmsnorm(x) * w), the same
+// code as ferrum_add_rmsnorm, so the result is bit-identical to an all-reduce followed by it.
+// One block, one row.
+#define FERRUM_PEER_NORM(S, T)                                                                     \
+    extern "C" __global__ void ferrum_peer_add_rmsnorm_##S(PeerArgs a, float *x, float *delta,     \
+                                                           float *y, const T *w, int hidden,       \
+                                                           float eps) {                            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        const float *slots = peer_exchange(a, delta, hidden);                                      \
+        if (!slots) return;                                                                        \
+        peer_sum(a, slots, delta, delta, hidden);                                                  \
+        __syncthreads(); /* the sums are read by other threads below */                            \
+        add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
+    }
+
+FERRUM_PEER_NORM(f16, f16)
+FERRUM_PEER_NORM(bf16, bf16)

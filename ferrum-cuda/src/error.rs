@@ -53,6 +53,13 @@ pub enum Error {
     /// The reducer (a tensor-parallel all-reduce, e.g. NCCL) failed; its own text.
     #[error("all-reduce failed: {0}")]
     Reduce(String),
+    /// A peer all-reduce of this rank gave up because the rank was aborted (its TP group
+    /// failed); the step's results are garbage.
+    #[error("peer all-reduce on rank {rank} was aborted (the TP group failed)")]
+    PeerAborted { rank: usize },
+    /// A peer all-reduce of this rank waited past its timeout for a peer that never pushed.
+    #[error("peer all-reduce on rank {rank} timed out waiting for a peer rank")]
+    PeerTimedOut { rank: usize },
     /// Any other invalid argument.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

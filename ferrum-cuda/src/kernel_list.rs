@@ -49,6 +49,11 @@ kernels! {
     /// Residual add (fp32 delta) fused with RMSNorm (fp32 output).
     AddRmsNormF16 => "ferrum_add_rmsnorm_f16" in "norm",
     AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16" in "norm",
+    /// One-shot all-reduce (fp32 sum, in place) over the peer buffers of an in-process group.
+    PeerAllReduce => "ferrum_peer_all_reduce" in "norm",
+    /// The same all-reduce fused with the residual add + RMSNorm that follows it.
+    PeerAddRmsNormF16 => "ferrum_peer_add_rmsnorm_f16" in "norm",
+    PeerAddRmsNormBf16 => "ferrum_peer_add_rmsnorm_bf16" in "norm",
     /// Bias + q/k norm + RoPE on fp32 q|k|v + K/V cache append (model dtype).
     RopeQkvF16 => "ferrum_rope_qkv_f16" in "attention",
     RopeQkvBf16 => "ferrum_rope_qkv_bf16" in "attention",

@@ -11,6 +11,7 @@
 
 mod error;
 mod kernel_list;
+mod peer_abi;
 pub mod plan;
 mod spec;
 
@@ -41,6 +42,9 @@ pub use spec::{
 
 #[cfg(feature = "cuda")]
 mod cuda;
+/// The one-shot peer-to-peer all-reduce of an in-process TP group (NVLink).
+#[cfg(feature = "cuda")]
+pub use cuda::peer;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     device_count, device_info, measure_copy_bandwidth, CudaDecodeRunner, DeviceLogits, DeviceStepKey, NoReduce,

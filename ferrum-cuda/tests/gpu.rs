@@ -798,3 +798,94 @@ fn split_k_gemv_matches_reference() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// Sums the random partials of `ordinals.len()` ranks with the one-shot peer kernel, several
+/// calls in a row with different lengths (both buffer parities, twice; a vector tail; a single
+/// float), and checks every rank's result bit for bit against the f32 sum in rank order
+/// (`((p0 + p1) + p2) …`, IEEE addition on the host).
+fn peer_sums(ordinals: &[usize]) {
+    use ferrum_cuda::peer::{peer_group, DEFAULT_PEER_TIMEOUT};
+    let ranks = peer_group(ordinals, 4096, DEFAULT_PEER_TIMEOUT).unwrap();
+    let streams: Vec<_> = ranks.iter().map(|r| r.context().new_stream().unwrap()).collect();
+    let mut rng = Rng(7 + ordinals.len() as u64);
+    for (call, len) in [4096usize, 576, 4093, 1, 2048].into_iter().enumerate() {
+        let parts: Vec<Vec<f32>> = ranks.iter().map(|_| (0..len).map(|_| rng.uniform() * 10.0).collect()).collect();
+        let mut bufs: Vec<_> = streams.iter().zip(&parts).map(|(s, p)| s.clone_htod(p).unwrap()).collect();
+        // Enqueued from one thread: the ranks' kernels meet on the GPU(s).
+        for ((r, s), b) in ranks.iter().zip(&streams).zip(&mut bufs) {
+            r.all_reduce_sum_in_place(b, len, s).unwrap();
+        }
+        let want: Vec<u32> =
+            (0..len).map(|i| parts[1..].iter().fold(parts[0][i], |acc, p| acc + p[i]).to_bits()).collect();
+        for (r, (s, b)) in streams.iter().zip(&bufs).enumerate() {
+            let got: Vec<u32> = s.clone_dtoh(b).unwrap().iter().map(|x| x.to_bits()).collect();
+            ranks[r].handle().check().unwrap();
+            assert!(got == want, "{ordinals:?}: rank {r}, call {call} of {len} floats differs from the rank-order sum");
+        }
+    }
+    println!("peer all-reduce over GPUs {ordinals:?}: 5 calls bit-identical to the rank-order sum");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn peer_all_reduce_sums_in_rank_order() {
+    // Ranks sharing one GPU (the protocol without NVLink), then two GPUs when present.
+    peer_sums(&[0, 0]);
+    peer_sums(&[0, 0, 0]);
+    if ferrum_cuda::device_count().unwrap() >= 2 {
+        peer_sums(&[0, 1]);
+    } else {
+        println!("one GPU: the two-GPU case did not run");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn peer_all_reduce_refuses_bad_input_times_out_and_aborts() {
+    use ferrum_cuda::peer::{peer_group, DEFAULT_PEER_TIMEOUT, MAX_PEER_RANKS};
+    use std::time::Duration;
+    let t = DEFAULT_PEER_TIMEOUT;
+    assert!(matches!(peer_group(&[], 16, t), Err(Error::InvalidArgument(_))));
+    assert!(matches!(peer_group(&[0; MAX_PEER_RANKS + 1], 16, t), Err(Error::InvalidArgument(_))));
+    assert!(matches!(peer_group(&[0, 0], 0, t), Err(Error::InvalidArgument(_))));
+    let n = ferrum_cuda::device_count().unwrap();
+    assert!(matches!(peer_group(&[0, n], 16, t), Err(Error::Unavailable(_))));
+
+    // Too long a message, a buffer shorter than the length, a stream of another GPU: refused
+    // before anything is enqueued.
+    let ranks = peer_group(&[0, 0], 256, Duration::from_millis(200)).unwrap();
+    let s = ranks[0].context().new_stream().unwrap();
+    let mut small = s.alloc_zeros::<f32>(100).unwrap();
+    let mut big = s.alloc_zeros::<f32>(1000).unwrap();
+    assert!(matches!(ranks[0].all_reduce_sum_in_place(&mut big, 257, &s), Err(Error::InvalidArgument(_))));
+    assert!(matches!(ranks[0].all_reduce_sum_in_place(&mut small, 101, &s), Err(Error::InvalidArgument(_))));
+    if n >= 2 {
+        let other = ferrum_cuda::cudarc::driver::CudaContext::new(1).unwrap().new_stream().unwrap();
+        assert!(matches!(ranks[0].all_reduce_sum_in_place(&mut big, 16, &other), Err(Error::InvalidArgument(_))));
+    }
+
+    // Rank 1 never joins: rank 0 gives up after its timeout, and says so.
+    let t0 = Instant::now();
+    ranks[0].all_reduce_sum_in_place(&mut big, 256, &s).unwrap();
+    s.synchronize().unwrap();
+    let waited = t0.elapsed();
+    assert!(matches!(ranks[0].handle().check(), Err(Error::PeerTimedOut { rank: 0 })));
+    assert!(ranks[1].handle().check().is_ok(), "rank 1 never ran");
+    assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(10), "{waited:?}");
+    println!("a lone rank timed out after {waited:?} (timeout 200 ms)");
+    drop(ranks);
+
+    // Rank 1 never joins, and the host aborts rank 0 while its kernel waits: it returns at once.
+    let ranks = peer_group(&[0, 0], 256, DEFAULT_PEER_TIMEOUT).unwrap();
+    let s = ranks[0].context().new_stream().unwrap();
+    let mut buf = s.alloc_zeros::<f32>(256).unwrap();
+    ranks[0].all_reduce_sum_in_place(&mut buf, 256, &s).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let t0 = Instant::now();
+    ranks[0].handle().abort();
+    s.synchronize().unwrap();
+    let waited = t0.elapsed();
+    assert!(matches!(ranks[0].handle().check(), Err(Error::PeerAborted { rank: 0 })));
+    assert!(waited < Duration::from_secs(2), "the abort took {waited:?}");
+    println!("an aborted rank returned {waited:?} after the abort");
+}

@@ -41,8 +41,8 @@ pub struct BenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
-    /// Instead of a model: the latency of one decode-sized NCCL all-reduce over --tp GPUs,
-    /// inside a CUDA graph and eager (needs --device cuda and --tp 2 or more).
+    /// Instead of a model: the latency of one decode-sized all-reduce over --tp GPUs (NCCL and
+    /// the one-shot peer kernel), inside a CUDA graph and eager (needs --device cuda, --tp 2+).
     #[arg(long, conflicts_with_all = ["synthetic", "model"])]
     all_reduce: bool,
     /// Elements per all-reduce for --all-reduce (a decode step reduces `hidden` of them).
@@ -298,7 +298,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
 fn all_reduce(a: &BenchArgs, opts: &ferrum_runner::session::SessionOptions) -> Result<()> {
     match opts.device {
         DeviceSpec::Cuda(first) => crate::bench_allreduce::run(first, opts.tp, a.hidden, a.json),
-        DeviceSpec::Cpu => bail!("--all-reduce measures NCCL: use --device cuda"),
+        DeviceSpec::Cpu => bail!("--all-reduce measures GPU all-reduces: use --device cuda"),
     }
 }
 

@@ -1,5 +1,6 @@
-//! `ferrum bench --all-reduce`: the latency of one decode-sized NCCL all-reduce over `--tp`
-//! GPUs, inside a CUDA graph (as the decode step runs it) and enqueued eagerly.
+//! `ferrum bench --all-reduce`: the latency of one decode-sized all-reduce over `--tp` GPUs,
+//! inside a CUDA graph (as the decode step runs it) and enqueued eagerly: NCCL (f32 and bf16)
+//! and ferrum-cuda's one-shot peer all-reduce (f32, what the decode sums).
 //!
 //! Each rank (one thread per GPU) captures `PER_GRAPH` back-to-back in-place all-reduces of
 //! `--hidden` elements into one graph, replays it (warm-up, then `REPLAYS` timed replays
@@ -8,10 +9,11 @@
 use anyhow::{Context, Result};
 use serde::Serialize;
 
+use ferrum_cuda::peer::{peer_group, PeerRank, DEFAULT_PEER_TIMEOUT};
 use ferrum_graph::cudarc::driver::sys::CUevent_flags;
-use ferrum_graph::cudarc::driver::{CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use ferrum_graph::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use ferrum_graph::CapturedGraph;
-use ferrum_nccl::{AbortHandle, NcclElement, NcclRank};
+use ferrum_nccl::{NcclElement, NcclRank};
 use ferrum_tp::{AbortableBarrier, GroupBarrier};
 use std::sync::Arc;
 
@@ -20,6 +22,8 @@ const REPLAYS: usize = 20;
 
 #[derive(Serialize, Debug)]
 pub struct AllReduceReport {
+    /// `nccl` or `peer` (the one-shot kernel).
+    pub algo: String,
     pub ranks: usize,
     pub elements: usize,
     pub dtype: String,
@@ -30,12 +34,64 @@ pub struct AllReduceReport {
     pub eager_us: f64,
 }
 
-fn time_rank<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
-    rank: &NcclRank,
+/// One rank of an all-reduce under test.
+trait RankReduce<T>: Sync {
+    fn context(&self) -> Arc<CudaContext>;
+    /// Sums `buf` in place over the ranks, on `s`.
+    fn reduce(&self, buf: &mut CudaSlice<T>, s: &Arc<CudaStream>) -> Result<()>;
+    /// Launches a graph of such sums.
+    fn replay(&self, g: &CapturedGraph, s: &Arc<CudaStream>) -> Result<()>;
+    /// After the work was waited for: did every sum complete?
+    fn check(&self) -> Result<()>;
+    /// Releases the peers of a failed rank.
+    fn abort(&self);
+}
+
+impl<T: NcclElement> RankReduce<T> for NcclRank {
+    fn context(&self) -> Arc<CudaContext> {
+        NcclRank::context(self).clone()
+    }
+    fn reduce(&self, buf: &mut CudaSlice<T>, s: &Arc<CudaStream>) -> Result<()> {
+        Ok(self.all_reduce_sum_in_place(buf, s)?)
+    }
+    fn replay(&self, g: &CapturedGraph, s: &Arc<CudaStream>) -> Result<()> {
+        // The graph holds NCCL kernels: launch it only while the communicator is live (a
+        // failing peer aborts every communicator from its own thread).
+        Ok(self.while_live(|| g.replay(s))??)
+    }
+    fn check(&self) -> Result<()> {
+        Ok(())
+    }
+    fn abort(&self) {
+        self.abort_handle().abort("a rank of the all-reduce benchmark failed");
+    }
+}
+
+impl RankReduce<f32> for PeerRank {
+    fn context(&self) -> Arc<CudaContext> {
+        PeerRank::context(self).clone()
+    }
+    fn reduce(&self, buf: &mut CudaSlice<f32>, s: &Arc<CudaStream>) -> Result<()> {
+        let n = buf.len();
+        Ok(self.all_reduce_sum_in_place(buf, n, s)?)
+    }
+    fn replay(&self, g: &CapturedGraph, s: &Arc<CudaStream>) -> Result<()> {
+        Ok(g.replay(s)?)
+    }
+    fn check(&self) -> Result<()> {
+        Ok(self.handle().check()?)
+    }
+    fn abort(&self) {
+        self.handle().abort();
+    }
+}
+
+fn time_rank<T: DeviceRepr + ValidAsZeroBits, R: RankReduce<T>>(
+    rank: &R,
     n: usize,
     barrier: &GroupBarrier,
 ) -> Result<(f64, f64)> {
-    let ctx = rank.context().clone();
+    let ctx = rank.context();
     // SAFETY: every buffer below is used on one stream only, so cudarc's cross-stream event
     // tracking is not needed (and graph capture requires it off).
     unsafe { ctx.disable_event_tracking() };
@@ -54,27 +110,26 @@ fn time_rank<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
         }
         e1.record(&stream)?;
         e1.synchronize()?;
+        rank.check()?;
         Ok(e0.elapsed_ms(&e1)? as f64 * 1e3 / (REPLAYS * count) as f64)
     };
     // NCCL connects peers at a size's first collective, which cannot happen while capturing.
-    rank.all_reduce_sum_in_place(&mut buf, &stream)?;
+    rank.reduce(&mut buf, &stream)?;
     stream.synchronize()?;
     let graph = CapturedGraph::capture(&stream, |s| {
         for _ in 0..PER_GRAPH {
-            rank.all_reduce_sum_in_place(&mut buf, s.stream())?;
+            rank.reduce(&mut buf, s.stream())?;
         }
-        Ok::<_, ferrum_nccl::Error>(())
+        Ok::<_, anyhow::Error>(())
     })
     .context("capturing the all-reduces")?;
     graph.upload(&stream)?;
-    // The graph holds NCCL kernels: launch it only while the communicator is live (a failing
-    // peer aborts every communicator from its own thread).
-    let graph_us = timed(&mut || Ok(rank.while_live(|| graph.replay(&stream))??), PER_GRAPH)?;
+    let graph_us = timed(&mut || rank.replay(&graph, &stream), PER_GRAPH)?;
     drop(graph);
     let eager_us = timed(
         &mut || {
             for _ in 0..PER_GRAPH {
-                rank.all_reduce_sum_in_place(&mut buf, &stream)?;
+                rank.reduce(&mut buf, &stream)?;
             }
             Ok(())
         },
@@ -88,20 +143,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn run_dtype<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
-    ordinals: &[usize],
+/// Times `ranks` (one thread each); a failing rank aborts the others.
+fn run_ranks<T: DeviceRepr + ValidAsZeroBits, R: RankReduce<T>>(
+    ranks: &[R],
     n: usize,
+    algo: &str,
     name: &str,
 ) -> Result<AllReduceReport> {
-    let ranks = NcclRank::init_all(ordinals)?;
-    let aborts: Vec<AbortHandle> = ranks.iter().map(NcclRank::abort_handle).collect();
     let barrier = GroupBarrier::with_parties(ranks.len());
     // A failing rank releases the others: the barrier is aborted (peers waiting in it return)
-    // and so is every communicator (peers blocked in a collective on the GPU return).
+    // and so is every rank's collective (peers blocked in one on the GPU return).
     let fail = |e: anyhow::Error| {
         barrier.abort();
-        for a in &aborts {
-            a.abort("a rank of the all-reduce benchmark failed");
+        for r in ranks {
+            r.abort();
         }
         e
     };
@@ -111,7 +166,7 @@ fn run_dtype<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
             .map(|r| {
                 s.spawn(|| {
                     // A panic must release the peers too, before this thread ends.
-                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| time_rank::<T>(r, n, &barrier))) {
+                    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| time_rank::<T, R>(r, n, &barrier))) {
                         Ok(r) => r.map_err(fail),
                         Err(_) => Err(fail(anyhow::anyhow!("a rank panicked"))),
                     }
@@ -122,7 +177,8 @@ fn run_dtype<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     });
     let results = results.into_iter().collect::<Result<Vec<_>>>()?;
     Ok(AllReduceReport {
-        ranks: ordinals.len(),
+        algo: algo.into(),
+        ranks: ranks.len(),
         elements: n,
         dtype: name.into(),
         bytes: n * std::mem::size_of::<T>(),
@@ -131,22 +187,45 @@ fn run_dtype<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     })
 }
 
-/// Measures f32 (what ferrum's decode reduces) and bf16 all-reduces of `n` elements.
+fn run_nccl<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
+    ordinals: &[usize],
+    n: usize,
+    name: &str,
+) -> Result<AllReduceReport> {
+    let ranks = NcclRank::init_all(ordinals)?;
+    run_ranks::<T, NcclRank>(&ranks, n, "nccl", name)
+}
+
+fn run_peer(ordinals: &[usize], n: usize) -> Result<AllReduceReport> {
+    let ranks = peer_group(ordinals, n, DEFAULT_PEER_TIMEOUT)?;
+    run_ranks::<f32, PeerRank>(&ranks, n, "peer", "f32")
+}
+
+/// Measures NCCL f32 (what ferrum's decode reduces without peer access) and bf16 all-reduces
+/// of `n` elements, and the one-shot peer all-reduce of `n` f32.
 pub fn run(first: usize, tp: usize, n: usize, json: bool) -> Result<()> {
     if tp < 2 {
         anyhow::bail!("--all-reduce needs --tp 2 or more");
     }
     let ordinals: Vec<usize> = (first..first + tp).collect();
-    let reports = vec![run_dtype::<f32>(&ordinals, n, "f32")?, run_dtype::<half::bf16>(&ordinals, n, "bf16")?];
+    let mut reports = vec![run_nccl::<f32>(&ordinals, n, "f32")?, run_nccl::<half::bf16>(&ordinals, n, "bf16")?];
+    // The NCCL figures are printed even when the GPUs lack peer access.
+    let peer = match run_peer(&ordinals, n) {
+        Ok(r) => {
+            reports.push(r);
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
     if json {
         println!("{}", serde_json::to_string_pretty(&reports)?);
     } else {
         for r in &reports {
             println!(
-                "all-reduce {} × {} ({} B) over {} GPUs: {:.2} µs in a graph, {:.2} µs eager",
-                r.elements, r.dtype, r.bytes, r.ranks, r.graph_us, r.eager_us
+                "all-reduce ({}) {} × {} ({} B) over {} GPUs: {:.2} µs in a graph, {:.2} µs eager",
+                r.algo, r.elements, r.dtype, r.bytes, r.ranks, r.graph_us, r.eager_us
             );
         }
     }
-    Ok(())
+    peer.context("the one-shot peer all-reduce")
 }

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use ferrum_graph::cudarc::driver::sys::CUevent_flags;
 use ferrum_graph::cudarc::driver::CudaEvent;
 
+use ferrum_cuda::peer::PeerHandle;
 use ferrum_cuda::{CudaDecodeRunner, DeviceSampling, DeviceStepKey};
 use ferrum_graph::DecodeGraphCache;
 use ferrum_nccl::NcclRank;
@@ -91,6 +92,9 @@ pub struct CudaRank {
     comm: Option<Arc<NcclRank>>,
     /// Recorded after each replay on TP ranks (see `device_steps`).
     replay_done: Option<CudaEvent>,
+    /// The peer all-reduce group of an in-process TP group, when its decode steps use one:
+    /// checked after the GPU work was waited for (a kernel that gave up leaves garbage).
+    peer: Option<PeerHandle>,
 }
 
 impl std::fmt::Debug for CudaRank {
@@ -122,6 +126,22 @@ impl CudaRank {
             abort: None,
             comm: None,
             replay_done: None,
+            peer: None,
+        }
+    }
+
+    /// Sets the peer group whose kernels the runner's reducer launches (see
+    /// [`ferrum_cuda::peer`]); [`check_peer`](Self::check_peer) then reports their failures.
+    pub fn set_peer(&mut self, peer: PeerHandle) {
+        self.peer = Some(peer);
+    }
+
+    /// `Ok` unless a peer all-reduce of this rank gave up (aborted, or timed out waiting for a
+    /// peer): call it once the rank's stream was waited for.
+    pub fn check_peer(&self) -> Result<()> {
+        match &self.peer {
+            None => Ok(()),
+            Some(p) => p.check().map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank))),
         }
     }
 
@@ -279,7 +299,9 @@ impl CudaRank {
         }
         self.stats.steps += n as u64;
         self.runner.enqueue_token_readback(seq, first, n).map_err(cuda)?;
-        Ok(self.runner.token_readback().map_err(cuda)?.to_vec())
+        let tokens = self.runner.token_readback().map_err(cuda)?.to_vec();
+        self.check_peer()?;
+        Ok(tokens)
     }
 
     /// Ends device-fed decoding: `seq` keeps `len` tokens.

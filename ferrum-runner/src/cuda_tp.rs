@@ -4,17 +4,22 @@
 //!
 //! Sharding is the same pass as on the CPU ([`crate::shard`]): whole KV groups per rank (uneven
 //! when the ranks do not divide the KV heads), MLP columns split evenly, embeddings, norms and
-//! the LM head replicated. Each rank sums its two per-layer partial results with an in-place
-//! NCCL all-reduce on its stream, which the rank's decode graph captures; NCCL hands every rank
-//! the same sums, so every rank computes the same logits and chooses the same tokens.
+//! the LM head replicated. Each rank sums its two per-layer partial results on its stream,
+//! inside the rank's decode graph: in an in-process group whose GPUs reach each other's memory,
+//! a decode token's sums take ferrum-cuda's one-shot peer all-reduce fused with the residual
+//! add + RMSNorm after it ([`ferrum_cuda::peer`]; `FERRUM_ALLREDUCE=nccl` turns it off), and
+//! everything else (prefill chunks, process ranks) an in-place NCCL all-reduce. Both hand every
+//! rank the same sums, so every rank computes the same logits and chooses the same tokens.
 //!
 //! **Failure.** Any rank error or panic poisons the group (ferrum-tp returns it at once, naming
-//! the rank); this backend then aborts every rank's communicator, so peers blocked in an
-//! all-reduce on the GPU return, and the group's threads can be joined when it is dropped.
+//! the rank); this backend then aborts every rank's communicator and peer kernels, so ranks
+//! blocked in an all-reduce on the GPU return, and the group's threads can be joined when it is
+//! dropped.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use ferrum_cuda::peer::{peer_group, PeerHandle, PeerRank, PeerReducer, DEFAULT_PEER_TIMEOUT};
 use ferrum_cuda::{CudaDecodeRunner, ReduceBuf, Reducer, ShardRange};
 use ferrum_nccl::{AbortHandle, NcclRank, Rendezvous, RendezvousOptions};
 use ferrum_tp::{RankContext, RankWorker, SequenceId, StepInput, TpConfig, TpDecodeGroup, TpError};
@@ -73,6 +78,8 @@ fn warm_up(runner: &CudaDecodeRunner, nccl: &NcclRank) -> Result<()> {
 pub struct CudaTpWorker {
     rank: CudaRank,
     nccl: Arc<NcclRank>,
+    /// This rank's peer all-reduce (in-process groups with peer access).
+    peer: Option<PeerHandle>,
     /// KV capacity for the next `kv_init` (set by the driver before the command).
     capacity: Arc<AtomicUsize>,
     /// Rank 0's logits of the last host-fed step or prefill.
@@ -91,10 +98,11 @@ impl CudaTpWorker {
     fn publish(&mut self, ctx: &RankContext) -> Result<()> {
         if ctx.rank() == 0 {
             let mut out = self.out.lock();
-            self.rank.runner().logits_to_host(&mut out).map_err(cuda_error)
+            self.rank.runner().logits_to_host(&mut out).map_err(cuda_error)?;
         } else {
-            self.rank.runner().synchronize().map_err(cuda_error)
+            self.rank.runner().synchronize().map_err(cuda_error)?;
         }
+        self.rank.check_peer()
     }
 
     fn prefill(&mut self, ctx: &RankContext, seq: SequenceId, tokens: &[u32]) -> Result<()> {
@@ -123,11 +131,61 @@ impl RankWorker for CudaTpWorker {
     }
 }
 
-/// Aborts every communicator (so no rank stays blocked in a collective) and returns the error.
+/// Which all-reduce an in-process group's decode steps use.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AllReduce {
+    /// The one-shot peer kernel when every pair of GPUs has peer access, else NCCL.
+    #[default]
+    Auto,
+    /// NCCL only.
+    Nccl,
+    /// The one-shot peer kernel (an error when the GPUs lack peer access).
+    Peer,
+}
+
+impl AllReduce {
+    /// `FERRUM_ALLREDUCE` (`auto`, `nccl` or `peer`; unset: auto).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("FERRUM_ALLREDUCE").ok().as_deref().map(str::trim) {
+            None | Some("auto") => Ok(Self::Auto),
+            Some("nccl") => Ok(Self::Nccl),
+            Some("peer") => Ok(Self::Peer),
+            Some(v) => Err(Error::InvalidInput(format!("FERRUM_ALLREDUCE={v:?}: expected auto, nccl or peer"))),
+        }
+    }
+}
+
+/// The peer group of `ordinals` for messages of `hidden` floats, as `mode` asks.
+fn peer_ranks(mode: AllReduce, ordinals: &[usize], hidden: usize) -> Result<Option<Vec<PeerRank>>> {
+    if mode == AllReduce::Nccl || ordinals.len() < 2 {
+        return Ok(None);
+    }
+    match peer_group(ordinals, hidden, DEFAULT_PEER_TIMEOUT) {
+        Ok(r) => Ok(Some(r)),
+        Err(e) if mode == AllReduce::Auto => {
+            tracing::info!(error = %e, "no peer all-reduce: NCCL sums the decode steps");
+            Ok(None)
+        }
+        Err(e) => Err(cuda_error(e)),
+    }
+}
+
+/// What a failed group aborts: every rank's communicator and peer kernels.
+struct Aborts {
+    nccl: Vec<AbortHandle>,
+    peer: Vec<PeerHandle>,
+}
+
+/// Aborts every communicator and every rank's peer kernels (so no rank stays blocked in a
+/// collective) and returns the error.
 #[cold]
-fn fail(aborts: &[AbortHandle], e: TpError<Error>) -> Error {
+fn fail(aborts: &Aborts, e: TpError<Error>) -> Error {
     let msg = flatten(&e);
     tracing::debug!(error = %msg, "TP group failed: aborting every communicator");
+    for p in &aborts.peer {
+        p.abort();
+    }
+    let aborts = &aborts.nccl;
     // ncclCommAbort takes a while (it stops NCCL's proxy threads): abort the ranks in parallel.
     std::thread::scope(|s| {
         for a in aborts {
@@ -141,7 +199,7 @@ fn fail(aborts: &[AbortHandle], e: TpError<Error>) -> Error {
 /// A [`DecodeBackend`] over `tp` GPUs of this process.
 pub struct CudaTpBackend {
     group: TpDecodeGroup<CudaTpWorker>,
-    aborts: Vec<AbortHandle>,
+    aborts: Aborts,
     capacity: Arc<AtomicUsize>,
     out: Arc<Mutex<Vec<f32>>>,
     seq: Option<SequenceId>,
@@ -168,28 +226,56 @@ fn ordinals(first: usize, tp: usize) -> Result<Vec<usize>> {
 
 impl CudaTpBackend {
     /// Starts one rank thread per GPU in `ordinals`; rank `r` builds its runner with
-    /// `make(r, ordinal)` on its own thread and gets an NCCL reducer over the group.
-    pub fn new<F>(ordinals: &[usize], vocab: usize, label: String, make: F) -> Result<Self>
+    /// `make(r, ordinal)` on its own thread and gets a reducer over the group: NCCL, with the
+    /// one-shot peer all-reduce for decode tokens (messages of `hidden` floats) as `all_reduce`
+    /// says.
+    pub fn new<F>(
+        ordinals: &[usize],
+        vocab: usize,
+        hidden: usize,
+        all_reduce: AllReduce,
+        label: String,
+        make: F,
+    ) -> Result<Self>
     where
         F: Fn(usize, usize) -> Result<CudaDecodeRunner> + Send + Sync + 'static,
     {
         let tp = ordinals.len();
         let ranks = NcclRank::init_all(ordinals).map_err(nccl_error)?;
-        let aborts: Vec<AbortHandle> = ranks.iter().map(NcclRank::abort_handle).collect();
-        let slots: Arc<Vec<Mutex<Option<NcclRank>>>> =
-            Arc::new(ranks.into_iter().map(|r| Mutex::new(Some(r))).collect());
+        let peers = peer_ranks(all_reduce, ordinals, hidden)?;
+        let aborts = Aborts {
+            nccl: ranks.iter().map(NcclRank::abort_handle).collect(),
+            peer: peers.iter().flatten().map(PeerRank::handle).collect(),
+        };
+        let label = if peers.is_some() { format!("{label} peer-allreduce") } else { label };
+        // Each rank thread takes its communicator and peer rank out of its slot.
+        type Slot = Mutex<Option<(NcclRank, Option<PeerRank>)>>;
+        let slots: Arc<Vec<Slot>> = Arc::new(match peers {
+            Some(p) => ranks.into_iter().zip(p).map(|(r, p)| Mutex::new(Some((r, Some(p))))).collect(),
+            None => ranks.into_iter().map(|r| Mutex::new(Some((r, None)))).collect(),
+        });
         let capacity = Arc::new(AtomicUsize::new(0));
         let out = Arc::new(Mutex::new(Vec::with_capacity(vocab)));
         let (cap, o, ords) = (capacity.clone(), out.clone(), ordinals.to_vec());
         let group = TpDecodeGroup::new(TpConfig::new(tp), move |ctx: &RankContext| {
             let r = ctx.rank();
-            let nccl = Arc::new(slots[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?);
+            let (nccl, peer) = slots[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?;
+            let nccl = Arc::new(nccl);
             let mut runner = make(r, ords[r])?;
             warm_up(&runner, &nccl)?;
-            runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
+            let reducer = Box::new(NcclReducer::new(nccl.clone()));
+            let peer_handle = peer.as_ref().map(PeerRank::handle);
+            match peer {
+                Some(p) => runner.set_reducer(Box::new(PeerReducer::new(p, reducer))),
+                None => runner.set_reducer(reducer),
+            }
             let mut rank = CudaRank::new(runner, r);
-            rank.set_comm(nccl.clone());
-            Ok(CudaTpWorker { rank, nccl, capacity: cap.clone(), out: o.clone() })
+            match peer_handle.clone() {
+                // Decode graphs then hold peer kernels only (NCCL sums prefill chunks, eagerly).
+                Some(h) => rank.set_peer(h),
+                None => rank.set_comm(nccl.clone()),
+            }
+            Ok(CudaTpWorker { rank, nccl, peer: peer_handle, capacity: cap.clone(), out: o.clone() })
         })
         .map_err(|e| fail(&aborts, e))?;
         Ok(Self { group, aborts, capacity, out, seq: None, next_seq: 1, pos: 0, vocab, label })
@@ -208,7 +294,14 @@ impl CudaTpBackend {
     pub fn set_fault(&mut self, fault: Fault) -> Result<()> {
         self.on_ranks(move |w, _| {
             let handle = w.nccl.abort_handle();
-            w.rank.set_fault(Some(fault), Some(Box::new(move || handle.abort("injected failure"))));
+            let peer = w.peer.clone();
+            let abort = move || {
+                handle.abort("injected failure");
+                if let Some(p) = &peer {
+                    p.abort();
+                }
+            };
+            w.rank.set_fault(Some(fault), Some(Box::new(abort)));
             Ok(())
         })
         .map(|_| ())
@@ -304,8 +397,11 @@ impl Drop for CudaTpBackend {
     fn drop(&mut self) {
         if self.group.is_poisoned() {
             // Already aborted by `fail`; again in case the poison came another way.
-            for a in &self.aborts {
+            for a in &self.aborts.nccl {
                 a.abort("the TP group was dropped after a failure");
+            }
+            for p in &self.aborts.peer {
+                p.abort();
             }
         }
         // The group's own Drop shuts the ranks down (or joins them, when poisoned).
@@ -362,7 +458,8 @@ pub fn group(
     let shards: Arc<Vec<Mutex<Option<ModelWeights>>>> =
         Arc::new(shards.into_iter().map(|s| Mutex::new(Some(s))).collect());
     let label = group_label(&ords, dtype);
-    CudaTpBackend::new(&ords, weights.config.vocab_size, label, move |r, ordinal| {
+    let (vocab, hidden) = (weights.config.vocab_size, weights.config.hidden_size);
+    CudaTpBackend::new(&ords, vocab, hidden, AllReduce::from_env()?, label, move |r, ordinal| {
         let w = shards[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?;
         build_runner(&w, dtype, ordinal, &mut |_, _| {})
     })
@@ -376,7 +473,7 @@ pub fn open_group_synthetic(
     tp: usize,
     dtype: ferrum_cuda::DType,
 ) -> Result<Box<dyn DecodeBackend>> {
-    Ok(Box::new(synthetic_group(cfg, first, tp, dtype, 0x5eed)?))
+    Ok(Box::new(synthetic_group_with(cfg, first, tp, dtype, 0x5eed, AllReduce::from_env()?)?))
 }
 
 /// The synthetic TP group itself (tests reach its fault injection through it).
@@ -387,11 +484,23 @@ pub fn synthetic_group(
     dtype: ferrum_cuda::DType,
     seed: u64,
 ) -> Result<CudaTpBackend> {
+    synthetic_group_with(cfg, first, tp, dtype, seed, AllReduce::Auto)
+}
+
+/// [`synthetic_group`] with the all-reduce chosen.
+pub fn synthetic_group_with(
+    cfg: &ModelConfig,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+    seed: u64,
+    all_reduce: AllReduce,
+) -> Result<CudaTpBackend> {
     let ords = ordinals(first, tp)?;
     let ranges = shard_ranges(cfg, tp)?;
     let full = spec_of(cfg);
     let label = group_label(&ords, dtype);
-    CudaTpBackend::new(&ords, cfg.vocab_size, label, move |r, ordinal| {
+    CudaTpBackend::new(&ords, cfg.vocab_size, cfg.hidden_size, all_reduce, label, move |r, ordinal| {
         CudaDecodeRunner::random_shard(&full, &ranges[r], dtype, seed, ordinal).map_err(cuda_error)
     })
 }

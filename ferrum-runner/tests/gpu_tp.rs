@@ -16,7 +16,7 @@ use ferrum_runner::backend::{DecodeBackend, DeviceSampling};
 use ferrum_runner::config::{Arch, ModelConfig};
 use ferrum_runner::cuda_backend::{build_runner, CudaBackend};
 use ferrum_runner::cuda_rank::{Fault, FaultKind};
-use ferrum_runner::cuda_tp::{open_group, synthetic_group};
+use ferrum_runner::cuda_tp::{open_group, synthetic_group, synthetic_group_with, AllReduce};
 use ferrum_runner::generate::{generate, GenerateOptions};
 use ferrum_runner::sampling::SamplingParams;
 use ferrum_runner::synthetic::{random_config, random_weights};
@@ -331,11 +331,16 @@ fn tp2_failure_injection() {
         device_tokens(&mut warm, &p, 8, 128, DeviceSampling::Greedy);
     }
     let mut problems = Vec::new();
-    for kind in [FaultKind::CudaLaunch, FaultKind::NcclAbort, FaultKind::Panic] {
+    // Every case with the peer all-reduce in the decode steps (NcclAbort then aborts the rank's
+    // communicator and its peer kernels), and with NCCL only.
+    for (mode, kind) in [AllReduce::Peer, AllReduce::Nccl]
+        .into_iter()
+        .flat_map(|m| [FaultKind::CudaLaunch, FaultKind::NcclAbort, FaultKind::Panic].map(|k| (m, k)))
+    {
         for rank in [1usize, 0] {
             for graphed in [true, false] {
                 let before = free_memory(&ctxs);
-                let mut g = synthetic_group(&cfg, 0, 2, BF16, 1).unwrap();
+                let mut g = synthetic_group_with(&cfg, 0, 2, BF16, 1, mode).unwrap();
                 g.set_graphed(graphed).unwrap();
                 let l = g.prefill(&p, 128).unwrap();
                 g.set_fault(Fault { rank, after_steps: 6, kind }).unwrap();
@@ -343,7 +348,7 @@ fn tp2_failure_injection() {
                 let r = g.decode_on_device(argmax(&l), 64, DeviceSampling::Greedy, &mut |_| Ok(true));
                 let took = t.elapsed();
                 let err = r.expect_err("the injected failure must surface").to_string();
-                let case = format!("{kind:?} on rank {rank} (graphed {graphed})");
+                let case = format!("{kind:?} on rank {rank} ({mode:?}, graphed {graphed})");
                 if took >= Duration::from_secs(1) {
                     problems.push(format!("{case}: error after {took:?}"));
                 }
@@ -373,6 +378,35 @@ fn tp2_failure_injection() {
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The one-shot peer all-reduce (fused with the add + RMSNorm after it) against NCCL's
+/// all-reduce followed by the separate add + RMSNorm: for two ranks both compute `a + b` and
+/// then the same norm code, so every logit and token must match bit for bit — host-fed eager
+/// steps and the device loop's graphs, every architecture, both dtypes, the uneven KV split.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_peer_all_reduce_is_bit_identical_to_nccl() {
+    init();
+    for arch in ARCHS {
+        for dtype in [BF16, ferrum_cuda::DType::F16] {
+            let cfg = config(arch, arch == Arch::Mistral, 3);
+            let p = prompt(40, cfg.vocab_size, 5);
+            let mut peer = synthetic_group_with(&cfg, 0, 2, dtype, 9, AllReduce::Peer).unwrap();
+            let mut nccl = synthetic_group_with(&cfg, 0, 2, dtype, 9, AllReduce::Nccl).unwrap();
+            assert!(peer.describe().contains("peer-allreduce"), "{}", peer.describe());
+            assert!(!nccl.describe().contains("peer"), "{}", nccl.describe());
+            let a = host_logits(&mut peer, &p, 12, 128);
+            let b = host_logits(&mut nccl, &p, 12, 128);
+            for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(bits(x) == bits(y), "{arch:?} {dtype:?}: logits {i} differ (peer vs NCCL)");
+            }
+            let ta = device_tokens(&mut peer, &p, 48, 128, DeviceSampling::Greedy);
+            let tb = device_tokens(&mut nccl, &p, 48, 128, DeviceSampling::Greedy);
+            assert_eq!(ta, tb, "{arch:?} {dtype:?}: device-loop tokens (peer vs NCCL)");
+            println!("{arch:?} {dtype:?}: peer all-reduce bit-identical to NCCL (13 logits, 48 graph tokens)");
+        }
+    }
 }
 
 #[test]

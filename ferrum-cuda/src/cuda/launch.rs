@@ -497,6 +497,40 @@ impl Kernels {
         Ok(())
     }
 
+    /// One row: `delta` summed over the ranks of `peer`'s group (in place), then as
+    /// [`add_rmsnorm`](Self::add_rmsnorm) — the peer all-reduce and the norm in one kernel.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn peer_add_rmsnorm(
+        &self,
+        peer: &super::peer::PeerRank,
+        x: Region<'_, f32>,
+        delta: Region<'_, f32>,
+        y: Region<'_, f32>,
+        w: Region<'_, u16>,
+        hidden: usize,
+        eps: f32,
+    ) -> Result<()> {
+        if hidden > peer.capacity() {
+            return Err(Error::Internal(format!("peer add_rmsnorm of {hidden} floats, capacity {}", peer.capacity())));
+        }
+        peer.check_stream(&self.stream)?;
+        let px = x.need(hidden, "peer_add_rmsnorm x")?;
+        let pd = delta.need(hidden, "peer_add_rmsnorm delta")?;
+        let py = y.need(hidden, "peer_add_rmsnorm y")?;
+        let pw = w.need(hidden, "peer_add_rmsnorm w")?;
+        let h = i32_of(hidden, "hidden")?;
+        let args = peer.args();
+        let mut b = self.builder(pick(self.dtype, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16));
+        b.arg(args).arg(&px).arg(&pd).arg(&py).arg(&pw).arg(&h).arg(&eps);
+        // SAFETY: signature (PeerArgs, f32*, f32*, f32*, const T*, int, float) matches; x,
+        // delta, y hold `hidden` floats and w `hidden` weights (checked above); the peer
+        // buffers hold `capacity >= hidden` floats per slot and outlive the kernel (the group's
+        // buffers are freed only after every device synchronised); the stream is on the peer
+        // rank's device (checked), whose peer mappings the group enabled.
+        unsafe { b.launch(cfg((1, 1, 1), norm_block(hidden))) }.map_err(Error::driver("peer_add_rmsnorm"))?;
+        Ok(())
+    }
+
     /// Bias, q/k norm, RoPE on the fp32 q|k|v rows (q in place, fp32) and the K/V append to
     /// one layer's cache (`[kv_heads][capacity][head_dim]`, in the dtype) at positions
     /// `pos[0] + t`.

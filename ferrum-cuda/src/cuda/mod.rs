@@ -1,5 +1,6 @@
 //! The CUDA backend: device queries, the decode runner, its KV cache store.
 mod launch;
+pub mod peer;
 
 use crate::error::{Error, Result};
 use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
@@ -141,6 +142,13 @@ pub trait Reducer: Send {
     /// fuse the residual adds and norms into the projections around the reduction points.
     fn is_identity(&self) -> bool {
         false
+    }
+
+    /// The one-shot peer all-reduce behind this reducer, if any ([`peer::PeerReducer`]): the
+    /// runner then sums a decode step's partials with the kernel that also does the residual
+    /// add + RMSNorm after it (one launch instead of the collective and the norm).
+    fn peer(&self) -> Option<&peer::PeerRank> {
+        None
     }
 }
 
@@ -1290,6 +1298,36 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
     }
 }
 
+/// `x += Σ_ranks o; y = RMSNorm(x) * norm` over `n` rows (`o`: this rank's partial, summed in
+/// place): one peer kernel for a decode token when the reducer has a peer group, else the
+/// reducer's all-reduce and then `add_rmsnorm`.
+#[allow(clippy::too_many_arguments)]
+fn reduce_add_rmsnorm(
+    k: &Kernels,
+    reducer: &mut dyn Reducer,
+    (x, o, y): (&DevBuf<f32>, &mut DevBuf<f32>, &DevBuf<f32>),
+    norm: &DevBuf<u16>,
+    n: usize,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    let st = &k.stream;
+    if let Some(peer) = reducer.peer().filter(|p| n == 1 && h <= p.capacity()) {
+        let (x, o, y) = (region(x, st, 0, h)?, region(o, st, 0, h)?, region(y, st, 0, h)?);
+        return k.peer_add_rmsnorm(peer, x, o, y, whole(norm, st)?, h, eps);
+    }
+    reducer.all_reduce(ReduceBuf { data: o, len: n * h, stream: st })?;
+    k.add_rmsnorm(
+        region(x, st, 0, n * h)?,
+        region(o, st, 0, n * h)?,
+        region(y, st, 0, n * h)?,
+        whole(norm, st)?,
+        n,
+        h,
+        eps,
+    )
+}
+
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1509,16 +1547,7 @@ fn forward(
             q_dim,
             n,
         )?;
-        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, stream: st })?;
-        k.add_rmsnorm(
-            region(&a.x, st, 0, n * h)?,
-            region(&a.o, st, 0, n * h)?,
-            region(&a.y, st, 0, n * h)?,
-            whole(&lw.mlp_norm, st)?,
-            n,
-            h,
-            eps,
-        )?;
+        reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), &lw.mlp_norm, n, h, eps)?;
         if n == 1 && p == Projection::Gemv {
             k.gemv_gateup(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.y, st, 0, h)?, inter, h)?;
         } else {
@@ -1546,20 +1575,11 @@ fn forward(
             inter,
             n,
         )?;
-        reducer.all_reduce(ReduceBuf { data: &mut a.o, len: n * h, stream: st })?;
         let next_norm = match w.layers.get(li + 1) {
             Some(next) => &next.attn_norm,
             None => &w.final_norm,
         };
-        k.add_rmsnorm(
-            region(&a.x, st, 0, n * h)?,
-            region(&a.o, st, 0, n * h)?,
-            region(&a.y, st, 0, n * h)?,
-            whole(next_norm, st)?,
-            n,
-            h,
-            eps,
-        )?;
+        reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), next_norm, n, h, eps)?;
     }
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     if fused_norms {

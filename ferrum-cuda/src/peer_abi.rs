@@ -1,0 +1,54 @@
+//! The parameter block of the peer all-reduce kernels (`PeerArgs` in `kernels/peer.cuh`),
+//! outside the `cuda` feature so that its layout is tested against the PTX on every build.
+
+/// Most ranks of a peer group (the kernels' pointer tables have this many entries).
+pub const MAX_PEER_RANKS: usize = 8;
+
+/// The peer kernels' first parameter, passed by value: the same fields, order and types as
+/// `PeerArgs` in `kernels/peer.cuh` (device pointers as `u64`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PeerArgs {
+    /// Every rank's receive buffer, `[2][world][cap]` floats.
+    pub(crate) recv: [u64; MAX_PEER_RANKS],
+    /// Every rank's flag array, `[world]` epochs.
+    pub(crate) flags: [u64; MAX_PEER_RANKS],
+    /// `recv[rank]` and `flags[rank]` (the kernels index the arrays only with constants).
+    pub(crate) own_recv: u64,
+    pub(crate) own_flags: u64,
+    /// This rank's epoch counter (device memory).
+    pub(crate) counter: u64,
+    /// This rank's abort and status words (host memory mapped to the device).
+    pub(crate) abort: u64,
+    pub(crate) status: u64,
+    /// How long the kernel waits for its peers.
+    pub(crate) timeout_ns: u64,
+    pub(crate) rank: i32,
+    pub(crate) world: i32,
+    /// Floats per slot (a multiple of 4).
+    pub(crate) cap: i32,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PeerArgs;
+    use crate::Kernel;
+
+    /// The size of the by-value parameter of every peer kernel in both PTX builds.
+    #[test]
+    fn peer_args_match_the_ptx_parameter() {
+        let want = std::mem::size_of::<PeerArgs>();
+        assert_eq!(want, 192);
+        for k in [Kernel::PeerAllReduce, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16] {
+            for set in [crate::ptx::MODULES, crate::ptx::MODULES_SM90] {
+                let (_, text) = set.iter().find(|(n, _)| *n == k.module()).unwrap();
+                let needle = format!(".param .align 8 .b8 {}_param_0[", k.name());
+                let at = text.find(&needle).unwrap_or_else(|| panic!("{} takes no struct parameter", k.name()));
+                let rest = &text[at + needle.len()..];
+                let size: usize = rest[..rest.find(']').unwrap()].parse().unwrap();
+                assert_eq!(size, want, "{}", k.name());
+            }
+        }
+    }
+}
