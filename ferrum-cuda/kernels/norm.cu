@@ -74,11 +74,16 @@ FERRUM_NORM(f16, f16)
 FERRUM_NORM(bf16, bf16)
 
 // In-place sum of data[0..n) over the ranks of a peer group (peer.cuh). One block.
-extern "C" __global__ void ferrum_peer_all_reduce(PeerArgs a, float *data, int n) {
-    FERRUM_PDL_ENTRY();
-    const float *slots = peer_exchange(a, data, n);
-    if (slots) peer_sum(a, slots, data, data, n);
-}
+#define FERRUM_PEER_ALL_REDUCE(S, T)                                                               \
+    extern "C" __global__ void ferrum_peer_all_reduce_##S(PeerArgs a, T *data, int n) {            \
+        FERRUM_PDL_ENTRY();                                                                        \
+        const float *slots = peer_exchange<T>(a, data, n);                                         \
+        if (slots) peer_sum<T>(a, slots, data, data, n);                                           \
+    }
+
+FERRUM_PEER_ALL_REDUCE(f32, float)
+FERRUM_PEER_ALL_REDUCE(f16, f16)
+FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 
 // delta = sum over ranks of delta; then add_rmsnorm (x += delta; y = rmsnorm(x) * w), the same
 // code as ferrum_add_rmsnorm, so the result is bit-identical to an all-reduce followed by it.
@@ -88,9 +93,9 @@ extern "C" __global__ void ferrum_peer_all_reduce(PeerArgs a, float *data, int n
                                                            float *y, const T *w, int hidden,       \
                                                            float eps) {                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        const float *slots = peer_exchange(a, delta, hidden);                                      \
+        const float *slots = peer_exchange<float>(a, delta, hidden);                               \
         if (!slots) return;                                                                        \
-        peer_sum(a, slots, delta, delta, hidden);                                                  \
+        peer_sum<float>(a, slots, delta, delta, hidden);                                           \
         __syncthreads(); /* the sums are read by other threads below */                            \
         add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
     }

@@ -91,30 +91,33 @@ __device__ unsigned peer_wait(const PeerArgs &a, unsigned e) {
     return 0u;
 }
 
-// Steps 1-3 for src[0..n) (n <= cap). Returns this rank's receive slots of the call's parity
-// (`[world][cap]`, slot `rank` unused), or null on abort/timeout; every thread gets the same
-// answer. Ends with a bar.sync.
-__device__ const float *peer_exchange(const PeerArgs &a, const float *src, int n) {
+// Steps 1-3 for src[0..n) of T (f32, f16 or bf16; n * sizeof(T) <= cap floats' bytes).
+// Returns this rank's receive slots of the call's parity (`[world][cap]` floats, slot `rank`
+// unused; slot q holds rank q's n values of T from its start), or null on abort/timeout; every
+// thread gets the same answer. Ends with a bar.sync.
+template <typename T> __device__ const float *peer_exchange(const PeerArgs &a, const T *src, int n) {
     __shared__ unsigned s_epoch, s_fail;
     if (threadIdx.x == 0) s_epoch = *a.counter + 1u;
     __syncthreads();
     const unsigned e = s_epoch;
     const size_t parity = (size_t)(e & 1u) * a.world * a.cap;
     const size_t mine = parity + (size_t)a.rank * a.cap;
-    // 16-byte stores where src is 16-byte aligned (cap is a multiple of 4, so every slot is).
-    const int n4 = ((reinterpret_cast<uintptr_t>(src) & 15) == 0) ? n / 4 : 0;
-    const float4 *s4 = reinterpret_cast<const float4 *>(src);
-    for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-        const float4 v = s4[i];
+    // 16-byte stores where src is 16-byte aligned (cap is a multiple of 4 floats, so every
+    // slot is), then the tail value by value.
+    constexpr int V = 16 / sizeof(T);
+    const int nv = ((reinterpret_cast<uintptr_t>(src) & 15) == 0) ? n / V : 0;
+    const uint4 *sv = reinterpret_cast<const uint4 *>(src);
+    for (int i = threadIdx.x; i < nv; i += blockDim.x) {
+        const uint4 v = sv[i];
 #pragma unroll
         for (int p = 0; p < PEER_MAX_RANKS; ++p)
-            if (p < a.world && p != a.rank) reinterpret_cast<float4 *>(a.recv[p] + mine)[i] = v;
+            if (p < a.world && p != a.rank) reinterpret_cast<uint4 *>(a.recv[p] + mine)[i] = v;
     }
-    for (int i = 4 * n4 + threadIdx.x; i < n; i += blockDim.x) {
-        const float v = src[i];
+    for (int i = V * nv + threadIdx.x; i < n; i += blockDim.x) {
+        const T v = src[i];
 #pragma unroll
         for (int p = 0; p < PEER_MAX_RANKS; ++p)
-            if (p < a.world && p != a.rank) a.recv[p][mine + i] = v;
+            if (p < a.world && p != a.rank) reinterpret_cast<T *>(a.recv[p] + mine)[i] = v;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -134,12 +137,20 @@ __device__ const float *peer_exchange(const PeerArgs &a, const float *src, int n
     return s_fail == 0u ? a.own_recv + parity : nullptr;
 }
 
-// Step 4: dst[i] = sum over ranks q = 0..world-1 (in order) of partial q, where partial
-// `rank` is own[i] and the others are in `slots` (from peer_exchange). dst may be own.
-__device__ void peer_sum(const PeerArgs &a, const float *slots, const float *own, float *dst, int n) {
+__device__ __forceinline__ float peer_ldcg(const float *p) { return __ldcg(p); }
+__device__ __forceinline__ float peer_ldcg(const f16 *p) { return to_f(__ldcg(p)); }
+__device__ __forceinline__ float peer_ldcg(const bf16 *p) { return to_f(__ldcg(p)); }
+
+// Step 4: dst[i] = sum over ranks q = 0..world-1 (in order) of partial q, in fp32, rounded
+// to T once at the end; partial `rank` is own[i], the others are in `slots` (from
+// peer_exchange). dst may be own. For two ranks this is round(a + b), what NCCL computes.
+template <typename T>
+__device__ void peer_sum(const PeerArgs &a, const float *slots, const T *own, T *dst, int n) {
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        float s = (a.rank == 0) ? own[i] : __ldcg(slots + i);
-        for (int q = 1; q < a.world; ++q) s += (q == a.rank) ? own[i] : __ldcg(slots + (size_t)q * a.cap + i);
-        dst[i] = s;
+        float s = (a.rank == 0) ? to_f(own[i]) : peer_ldcg(reinterpret_cast<const T *>(slots) + i);
+        for (int q = 1; q < a.world; ++q)
+            s += (q == a.rank) ? to_f(own[i])
+                               : peer_ldcg(reinterpret_cast<const T *>(slots + (size_t)q * a.cap) + i);
+        dst[i] = from_f<T>(s);
     }
 }

@@ -49,8 +49,11 @@ kernels! {
     /// Residual add (fp32 delta) fused with RMSNorm (fp32 output).
     AddRmsNormF16 => "ferrum_add_rmsnorm_f16" in "norm",
     AddRmsNormBf16 => "ferrum_add_rmsnorm_bf16" in "norm",
-    /// One-shot all-reduce (fp32 sum, in place) over the peer buffers of an in-process group.
-    PeerAllReduce => "ferrum_peer_all_reduce" in "norm",
+    /// One-shot all-reduce (sum in place, accumulated in fp32) over the peer buffers of an
+    /// in-process group, per element type.
+    PeerAllReduceF32 => "ferrum_peer_all_reduce_f32" in "norm",
+    PeerAllReduceF16 => "ferrum_peer_all_reduce_f16" in "norm",
+    PeerAllReduceBf16 => "ferrum_peer_all_reduce_bf16" in "norm",
     /// The same all-reduce fused with the residual add + RMSNorm that follows it.
     PeerAddRmsNormF16 => "ferrum_peer_add_rmsnorm_f16" in "norm",
     PeerAddRmsNormBf16 => "ferrum_peer_add_rmsnorm_bf16" in "norm",

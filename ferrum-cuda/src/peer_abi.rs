@@ -40,7 +40,13 @@ mod tests {
     fn peer_args_match_the_ptx_parameter() {
         let want = std::mem::size_of::<PeerArgs>();
         assert_eq!(want, 192);
-        for k in [Kernel::PeerAllReduce, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16] {
+        for k in [
+            Kernel::PeerAllReduceF32,
+            Kernel::PeerAllReduceF16,
+            Kernel::PeerAllReduceBf16,
+            Kernel::PeerAddRmsNormF16,
+            Kernel::PeerAddRmsNormBf16,
+        ] {
             for set in [crate::ptx::MODULES, crate::ptx::MODULES_SM90] {
                 let (_, text) = set.iter().find(|(n, _)| *n == k.module()).unwrap();
                 let needle = format!(".param .align 8 .b8 {}_param_0[", k.name());

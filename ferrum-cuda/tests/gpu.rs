@@ -799,41 +799,92 @@ fn split_k_gemv_matches_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// An element type of the peer all-reduce, with its conversions for the host reference.
+trait PeerTest: ferrum_cuda::peer::PeerElement + ferrum_cuda::cudarc::driver::ValidAsZeroBits + Copy + Unpin {
+    fn of(x: f32) -> Self;
+    fn f(self) -> f32;
+    fn bits(self) -> u32;
+}
+impl PeerTest for f32 {
+    fn of(x: f32) -> Self {
+        x
+    }
+    fn f(self) -> f32 {
+        self
+    }
+    fn bits(self) -> u32 {
+        self.to_bits()
+    }
+}
+impl PeerTest for half::f16 {
+    fn of(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    fn bits(self) -> u32 {
+        self.to_bits().into()
+    }
+}
+impl PeerTest for half::bf16 {
+    fn of(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn f(self) -> f32 {
+        self.to_f32()
+    }
+    fn bits(self) -> u32 {
+        self.to_bits().into()
+    }
+}
+
 /// Sums the random partials of `ordinals.len()` ranks with the one-shot peer kernel, several
 /// calls in a row with different lengths (both buffer parities, twice; a vector tail; a single
-/// float), and checks every rank's result bit for bit against the f32 sum in rank order
-/// (`((p0 + p1) + p2) …`, IEEE addition on the host).
-fn peer_sums(ordinals: &[usize]) {
+/// value), and checks every rank's result bit for bit against the host's sum in rank order in
+/// f32 rounded once to T (`T(((p0 + p1) + p2) …)`, IEEE arithmetic and the `half` crate's
+/// rounding on the host).
+fn peer_sums<T: PeerTest>(ordinals: &[usize], name: &str) {
     use ferrum_cuda::peer::{peer_group, DEFAULT_PEER_TIMEOUT};
     let ranks = peer_group(ordinals, 4096, DEFAULT_PEER_TIMEOUT).unwrap();
     let streams: Vec<_> = ranks.iter().map(|r| r.context().new_stream().unwrap()).collect();
     let mut rng = Rng(7 + ordinals.len() as u64);
     for (call, len) in [4096usize, 576, 4093, 1, 2048].into_iter().enumerate() {
-        let parts: Vec<Vec<f32>> = ranks.iter().map(|_| (0..len).map(|_| rng.uniform() * 10.0).collect()).collect();
+        let parts: Vec<Vec<T>> =
+            ranks.iter().map(|_| (0..len).map(|_| T::of(rng.uniform() * 10.0)).collect()).collect();
         let mut bufs: Vec<_> = streams.iter().zip(&parts).map(|(s, p)| s.clone_htod(p).unwrap()).collect();
         // Enqueued from one thread: the ranks' kernels meet on the GPU(s).
         for ((r, s), b) in ranks.iter().zip(&streams).zip(&mut bufs) {
             r.all_reduce_sum_in_place(b, len, s).unwrap();
         }
         let want: Vec<u32> =
-            (0..len).map(|i| parts[1..].iter().fold(parts[0][i], |acc, p| acc + p[i]).to_bits()).collect();
+            (0..len).map(|i| T::of(parts[1..].iter().fold(parts[0][i].f(), |acc, p| acc + p[i].f())).bits()).collect();
         for (r, (s, b)) in streams.iter().zip(&bufs).enumerate() {
-            let got: Vec<u32> = s.clone_dtoh(b).unwrap().iter().map(|x| x.to_bits()).collect();
+            let got: Vec<u32> = s.clone_dtoh(b).unwrap().iter().map(|x| x.bits()).collect();
             ranks[r].handle().check().unwrap();
-            assert!(got == want, "{ordinals:?}: rank {r}, call {call} of {len} floats differs from the rank-order sum");
+            assert!(
+                got == want,
+                "{ordinals:?} {name}: rank {r}, call {call} of {len} values differs from the rank-order sum"
+            );
         }
     }
-    println!("peer all-reduce over GPUs {ordinals:?}: 5 calls bit-identical to the rank-order sum");
+    println!("peer all-reduce over GPUs {ordinals:?}, {name}: 5 calls bit-identical to the rank-order sum");
+}
+
+fn peer_sums_every_type(ordinals: &[usize]) {
+    peer_sums::<f32>(ordinals, "f32");
+    peer_sums::<half::f16>(ordinals, "f16");
+    peer_sums::<half::bf16>(ordinals, "bf16");
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn peer_all_reduce_sums_in_rank_order() {
     // Ranks sharing one GPU (the protocol without NVLink), then two GPUs when present.
-    peer_sums(&[0, 0]);
-    peer_sums(&[0, 0, 0]);
+    peer_sums_every_type(&[0, 0]);
+    peer_sums_every_type(&[0, 0, 0]);
     if ferrum_cuda::device_count().unwrap() >= 2 {
-        peer_sums(&[0, 1]);
+        peer_sums_every_type(&[0, 1]);
     } else {
         println!("one GPU: the two-GPU case did not run");
     }

@@ -1,6 +1,6 @@
 //! `ferrum bench --all-reduce`: the latency of one decode-sized all-reduce over `--tp` GPUs,
 //! inside a CUDA graph (as the decode step runs it) and enqueued eagerly: NCCL (f32 and bf16)
-//! and ferrum-cuda's one-shot peer all-reduce (f32, what the decode sums).
+//! and ferrum-cuda's one-shot peer all-reduce (f32, what the decode sums, and bf16).
 //!
 //! Each rank (one thread per GPU) captures `PER_GRAPH` back-to-back in-place all-reduces of
 //! `--hidden` elements into one graph, replays it (warm-up, then `REPLAYS` timed replays
@@ -9,7 +9,7 @@
 use anyhow::{Context, Result};
 use serde::Serialize;
 
-use ferrum_cuda::peer::{peer_group, PeerRank, DEFAULT_PEER_TIMEOUT};
+use ferrum_cuda::peer::{peer_group, PeerElement, PeerRank, DEFAULT_PEER_TIMEOUT};
 use ferrum_graph::cudarc::driver::sys::CUevent_flags;
 use ferrum_graph::cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use ferrum_graph::CapturedGraph;
@@ -67,11 +67,11 @@ impl<T: NcclElement> RankReduce<T> for NcclRank {
     }
 }
 
-impl RankReduce<f32> for PeerRank {
+impl<T: PeerElement> RankReduce<T> for PeerRank {
     fn context(&self) -> Arc<CudaContext> {
         PeerRank::context(self).clone()
     }
-    fn reduce(&self, buf: &mut CudaSlice<f32>, s: &Arc<CudaStream>) -> Result<()> {
+    fn reduce(&self, buf: &mut CudaSlice<T>, s: &Arc<CudaStream>) -> Result<()> {
         let n = buf.len();
         Ok(self.all_reduce_sum_in_place(buf, n, s)?)
     }
@@ -196,13 +196,16 @@ fn run_nccl<T: NcclElement + DeviceRepr + ValidAsZeroBits>(
     run_ranks::<T, NcclRank>(&ranks, n, "nccl", name)
 }
 
-fn run_peer(ordinals: &[usize], n: usize) -> Result<AllReduceReport> {
+fn run_peer(ordinals: &[usize], n: usize) -> Result<Vec<AllReduceReport>> {
     let ranks = peer_group(ordinals, n, DEFAULT_PEER_TIMEOUT)?;
-    run_ranks::<f32, PeerRank>(&ranks, n, "peer", "f32")
+    Ok(vec![
+        run_ranks::<f32, PeerRank>(&ranks, n, "peer", "f32")?,
+        run_ranks::<half::bf16, PeerRank>(&ranks, n, "peer", "bf16")?,
+    ])
 }
 
 /// Measures NCCL f32 (what ferrum's decode reduces without peer access) and bf16 all-reduces
-/// of `n` elements, and the one-shot peer all-reduce of `n` f32.
+/// of `n` elements, and the one-shot peer all-reduce of `n` f32 and bf16.
 pub fn run(first: usize, tp: usize, n: usize, json: bool) -> Result<()> {
     if tp < 2 {
         anyhow::bail!("--all-reduce needs --tp 2 or more");
@@ -212,7 +215,7 @@ pub fn run(first: usize, tp: usize, n: usize, json: bool) -> Result<()> {
     // The NCCL figures are printed even when the GPUs lack peer access.
     let peer = match run_peer(&ordinals, n) {
         Ok(r) => {
-            reports.push(r);
+            reports.extend(r);
             Ok(())
         }
         Err(e) => Err(e),

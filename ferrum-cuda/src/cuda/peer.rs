@@ -42,6 +42,7 @@ use cudarc::driver::{
     PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
+use half::{bf16, f16};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -193,7 +194,8 @@ pub struct PeerRank {
     args: PeerArgs,
     ordinal: usize,
     device: cu::CUdevice,
-    func: CudaFunction,
+    /// The all-reduce kernels, indexed by [`PeerElement::INDEX`].
+    funcs: [CudaFunction; 3],
     _module: Arc<CudaModule>,
 }
 
@@ -288,8 +290,8 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
     let bufs = Arc::new(Buffers { ctxs: ctxs.clone(), mem, ctl, ctl_host });
     let (_, norm_ptx) = crate::ptx::MODULES
         .iter()
-        .find(|(n, _)| *n == Kernel::PeerAllReduce.module())
-        .ok_or(Error::MissingKernel(Kernel::PeerAllReduce.name()))?;
+        .find(|(n, _)| *n == Kernel::PeerAllReduceF32.module())
+        .ok_or(Error::MissingKernel(Kernel::PeerAllReduceF32.name()))?;
     let mut ranks = Vec::with_capacity(world);
     for (r, c) in ctxs.iter().enumerate() {
         c.bind_to_thread().map_err(driver("binding a context"))?;
@@ -302,9 +304,8 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
         let module = c
             .load_module(Ptx::from_src(*norm_ptx))
             .map_err(|e| Error::Driver { what: "loading PTX", msg: format!("module norm: {e}") })?;
-        let func = module
-            .load_function(Kernel::PeerAllReduce.name())
-            .map_err(|_| Error::MissingKernel(Kernel::PeerAllReduce.name()))?;
+        let load = |k: Kernel| module.load_function(k.name()).map_err(|_| Error::MissingKernel(k.name()));
+        let funcs = [load(f32::KERNEL)?, load(f16::KERNEL)?, load(bf16::KERNEL)?];
         let args = PeerArgs {
             recv: recv_ptrs,
             flags: flag_ptrs,
@@ -323,7 +324,7 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
             args,
             ordinal: c.ordinal(),
             device: c.cu_device(),
-            func,
+            funcs,
             _module: module,
         });
     }
@@ -372,10 +373,16 @@ impl PeerRank {
         Ok(())
     }
 
-    /// Sums `data[..len]` over the ranks, in place, on `stream` (of this rank's GPU). Every
-    /// rank must make the same call. Fails at once (nothing enqueued) when `len` exceeds the
-    /// capacity or `data`; a peer that never answers shows up in [`PeerHandle::check`].
-    pub fn all_reduce_sum_in_place(&self, data: &mut DevBuf<f32>, len: usize, stream: &Arc<CudaStream>) -> Result<()> {
+    /// Sums `data[..len]` over the ranks, in place, on `stream` (of this rank's GPU): f32, f16
+    /// or bf16, accumulated in fp32 in rank order and rounded once. Every rank must make the
+    /// same call. Fails at once (nothing enqueued) when `len` exceeds the capacity or `data`; a
+    /// peer that never answers shows up in [`PeerHandle::check`].
+    pub fn all_reduce_sum_in_place<T: PeerElement>(
+        &self,
+        data: &mut DevBuf<T>,
+        len: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
         if len > self.capacity() || len > data.len() {
             return Err(Error::InvalidArgument(format!(
                 "peer all-reduce of {len} floats: capacity {}, buffer {}",
@@ -389,17 +396,46 @@ impl PeerRank {
         self.check_stream(stream)?;
         let n = len as i32; // len <= cap, which fits i32
         let (p, _guard) = data.device_ptr(stream);
-        let threads = len.div_ceil(4).next_multiple_of(32).clamp(32, 1024) as u32;
+        let per_store = 16 / std::mem::size_of::<T>();
+        let threads = len.div_ceil(per_store).next_multiple_of(32).clamp(32, 1024) as u32;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&self.func);
+        let mut b = stream.launch_builder(&self.funcs[T::INDEX]);
         b.arg(&self.args).arg(&p).arg(&n);
-        // SAFETY: the signature is (PeerArgs, float*, int); `data` holds at least len floats;
-        // the peer buffers hold `cap >= len` floats per slot and live as long as this rank
+        // SAFETY: the signature is (PeerArgs, T*, int) for T's kernel; `data` holds at least
+        // len values; the peer buffers hold `cap >= len` floats (so at least len values of T) per slot and live as long as this rank
         // (`Buffers`, freed only after every device synchronised); the kernel runs in this
         // rank's context (the stream was checked to be on its device, whose module it is).
         unsafe { b.launch(cfg) }.map_err(driver("peer all-reduce"))?;
         Ok(())
     }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for half::bf16 {}
+}
+
+/// An element type the peer all-reduce sums: `f32`, `half::f16`, `half::bf16`.
+pub trait PeerElement: DeviceRepr + sealed::Sealed {
+    /// Its kernel.
+    const KERNEL: Kernel;
+    #[doc(hidden)]
+    const INDEX: usize;
+}
+
+impl PeerElement for f32 {
+    const KERNEL: Kernel = Kernel::PeerAllReduceF32;
+    const INDEX: usize = 0;
+}
+impl PeerElement for f16 {
+    const KERNEL: Kernel = Kernel::PeerAllReduceF16;
+    const INDEX: usize = 1;
+}
+impl PeerElement for bf16 {
+    const KERNEL: Kernel = Kernel::PeerAllReduceBf16;
+    const INDEX: usize = 2;
 }
 
 /// A [`Reducer`] that sums messages of up to its group's capacity with the one-shot peer
