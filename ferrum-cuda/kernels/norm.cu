@@ -77,8 +77,7 @@ FERRUM_NORM(bf16, bf16)
 #define FERRUM_PEER_ALL_REDUCE(S, T)                                                               \
     extern "C" __global__ void ferrum_peer_all_reduce_##S(PeerArgs a, T *data, int n) {            \
         FERRUM_PDL_ENTRY();                                                                        \
-        const float *slots = peer_exchange<T>(a, data, n);                                         \
-        if (slots) peer_sum<T>(a, slots, data, data, n);                                           \
+        peer_all_reduce<T>(a, data, data, n);                                                      \
     }
 
 FERRUM_PEER_ALL_REDUCE(f32, float)
@@ -87,16 +86,14 @@ FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 
 // delta = sum over ranks of delta; then add_rmsnorm (x += delta; y = rmsnorm(x) * w), the same
 // code as ferrum_add_rmsnorm, so the result is bit-identical to an all-reduce followed by it.
-// One block, one row.
+// One block, one row. peer_all_reduce ends with a bar.sync, so the sums it stored are visible
+// to every thread of add_rmsnorm.
 #define FERRUM_PEER_NORM(S, T)                                                                     \
     extern "C" __global__ void ferrum_peer_add_rmsnorm_##S(PeerArgs a, float *x, float *delta,     \
                                                            float *y, const T *w, int hidden,       \
                                                            float eps) {                            \
         FERRUM_PDL_ENTRY();                                                                        \
-        const float *slots = peer_exchange<float>(a, delta, hidden);                               \
-        if (!slots) return;                                                                        \
-        peer_sum<float>(a, slots, delta, delta, hidden);                                           \
-        __syncthreads(); /* the sums are read by other threads below */                            \
+        if (!peer_all_reduce<float>(a, delta, delta, hidden)) return;                              \
         add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
     }
 

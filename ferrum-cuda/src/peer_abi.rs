@@ -10,13 +10,11 @@ pub const MAX_PEER_RANKS: usize = 8;
 #[derive(Clone, Copy, Debug, Default)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) struct PeerArgs {
-    /// Every rank's receive buffer, `[2][world][cap]` floats.
+    /// Every rank's receive buffer, `[2][world][2 * cap]` floats (16-byte lines of an 8-byte
+    /// payload and two epoch words).
     pub(crate) recv: [u64; MAX_PEER_RANKS],
-    /// Every rank's flag array, `[world]` epochs.
-    pub(crate) flags: [u64; MAX_PEER_RANKS],
-    /// `recv[rank]` and `flags[rank]` (the kernels index the arrays only with constants).
+    /// `recv[rank]` (the kernels index the array only with constants).
     pub(crate) own_recv: u64,
-    pub(crate) own_flags: u64,
     /// This rank's epoch counter (device memory).
     pub(crate) counter: u64,
     /// This rank's abort and status words (host memory mapped to the device).
@@ -26,7 +24,7 @@ pub(crate) struct PeerArgs {
     pub(crate) timeout_ns: u64,
     pub(crate) rank: i32,
     pub(crate) world: i32,
-    /// Floats per slot (a multiple of 4).
+    /// Payload floats per message (a multiple of 4).
     pub(crate) cap: i32,
 }
 
@@ -39,7 +37,7 @@ mod tests {
     #[test]
     fn peer_args_match_the_ptx_parameter() {
         let want = std::mem::size_of::<PeerArgs>();
-        assert_eq!(want, 192);
+        assert_eq!(want, 120);
         for k in [
             Kernel::PeerAllReduceF32,
             Kernel::PeerAllReduceF16,

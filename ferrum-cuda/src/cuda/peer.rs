@@ -2,9 +2,10 @@
 //! threads of one process.
 //!
 //! A decode step's all-reduce moves one hidden vector (16 KB at width 4096): a latency problem,
-//! not a bandwidth one. Each rank pushes its partial straight into every peer's receive buffer,
-//! raises a flag there, waits for its peers' flags and sums the partials in rank order — one
-//! kernel of one block, which the runner fuses with the residual add + RMSNorm that follows each
+//! not a bandwidth one. Each rank pushes its partial straight into every peer's receive buffer
+//! in 16-byte lines that carry the call's epoch beside every 4-byte payload word (no fence, no
+//! separate flag: a value crosses NVLink once, one way), waits until its peers' lines show the
+//! epoch and sums the partials in rank order — one kernel of one block, which the runner fuses with the residual add + RMSNorm that follows each
 //! reduction (`ferrum_peer_add_rmsnorm_*`). The protocol, and why two buffer parities suffice,
 //! is written next to the kernels in `kernels/peer.cuh`. Results are bit-identical on every
 //! rank, and for two ranks bit-identical to NCCL's sum.
@@ -64,8 +65,8 @@ unsafe impl DeviceRepr for PeerArgs {}
 struct Buffers {
     /// One per rank (ranks may share a device, e.g. in tests on one GPU).
     ctxs: Vec<Arc<CudaContext>>,
-    /// Rank r's device memory: its receive slots (`[2][world][cap]` floats), then its flags
-    /// (`[world]`) and its epoch counter. The kernels reach them through `PeerArgs`.
+    /// Rank r's device memory: its receive slots (`[2][world][2 * cap]` floats), then its
+    /// epoch counter. The kernels reach them through `PeerArgs`.
     mem: Vec<RawAlloc>,
     /// Host memory mapped into every device: `[abort word of rank 0..w, status word of rank 0..w]`.
     ctl: PinnedHostSlice<u32>,
@@ -262,17 +263,18 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
     if capacity == 0 {
         return Err(Error::InvalidArgument("a peer group needs a capacity of at least one float".into()));
     }
-    // A multiple of 4 keeps every slot 16-byte aligned (the kernels' vector stores).
+    // A multiple of 4 keeps every slot 16-byte aligned (the kernels' vector stores). A slot
+    // carries `cap` floats of payload in 16-byte lines of 8 payload bytes and two epoch words.
     let cap = capacity.div_ceil(4) * 4;
-    let slots = 2 * world * cap;
+    let slots = 2 * world * 2 * cap;
     let cap_i32 = i32::try_from(slots)
         .map(|_| cap as i32)
         .map_err(|_| Error::InvalidArgument(format!("peer capacity {capacity} × {world} ranks is too large")))?;
     let ctxs = ordinals.iter().map(|&o| super::context(o)).collect::<Result<Vec<_>>>()?;
     enable_peer_access(&ctxs)?;
-    // Each rank's receive slots, then its flags and counter, in one allocation.
-    let flag_offset = (slots * std::mem::size_of::<f32>()).next_multiple_of(256);
-    let bytes = flag_offset + (world + 1) * std::mem::size_of::<u32>();
+    // Each rank's receive slots, then its epoch counter, in one allocation.
+    let counter_offset = (slots * std::mem::size_of::<f32>()).next_multiple_of(256);
+    let bytes = counter_offset + std::mem::size_of::<u32>();
     let mem = ctxs.iter().map(|c| RawAlloc::zeroed(c, bytes)).collect::<Result<Vec<_>>>()?;
     // SAFETY: initialised right below, before anything reads it.
     let mut ctl = unsafe {
@@ -282,10 +284,8 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
     ctl.as_mut_slice().map_err(driver("host slice"))?.fill(0);
     let ctl_host = ctl.as_mut_ptr().map_err(driver("host pointer"))?;
     let mut recv_ptrs = [0u64; MAX_PEER_RANKS];
-    let mut flag_ptrs = [0u64; MAX_PEER_RANKS];
     for (r, m) in mem.iter().enumerate() {
         recv_ptrs[r] = m.ptr;
-        flag_ptrs[r] = m.ptr + flag_offset as u64;
     }
     let bufs = Arc::new(Buffers { ctxs: ctxs.clone(), mem, ctl, ctl_host });
     let (_, norm_ptx) = crate::ptx::MODULES
@@ -308,10 +308,8 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
         let funcs = [load(f32::KERNEL)?, load(f16::KERNEL)?, load(bf16::KERNEL)?];
         let args = PeerArgs {
             recv: recv_ptrs,
-            flags: flag_ptrs,
             own_recv: recv_ptrs[r],
-            own_flags: flag_ptrs[r],
-            counter: flag_ptrs[r] + (world * std::mem::size_of::<u32>()) as u64,
+            counter: recv_ptrs[r] + counter_offset as u64,
             abort: dev + (r * std::mem::size_of::<u32>()) as u64,
             status: dev + ((world + r) * std::mem::size_of::<u32>()) as u64,
             timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
@@ -396,8 +394,9 @@ impl PeerRank {
         self.check_stream(stream)?;
         let n = len as i32; // len <= cap, which fits i32
         let (p, _guard) = data.device_ptr(stream);
-        let per_store = 16 / std::mem::size_of::<T>();
-        let threads = len.div_ceil(per_store).next_multiple_of(32).clamp(32, 1024) as u32;
+        // One thread per 8-byte payload line, up to 1024.
+        let per_line = 8 / std::mem::size_of::<T>();
+        let threads = len.div_ceil(per_line).next_multiple_of(32).clamp(32, 1024) as u32;
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.funcs[T::INDEX]);
         b.arg(&self.args).arg(&p).arg(&n);
