@@ -254,6 +254,7 @@ impl DecodeBackend for CudaBackend {
         self.rank.runner().prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
         self.rank.runner().logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        self.rank.check_collectives()?;
         Ok(self.logits.clone())
     }
 
@@ -271,6 +272,7 @@ impl DecodeBackend for CudaBackend {
         self.rank.step(SEQ, token, self.pos)?;
         self.pos += 1;
         self.rank.runner().logits_to_host(&mut self.logits).map_err(cuda_error)?;
+        self.rank.check_collectives()?;
         Ok(self.logits.clone())
     }
 

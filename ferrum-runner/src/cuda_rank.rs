@@ -136,6 +136,16 @@ impl CudaRank {
         self.peer = Some(peer);
     }
 
+    /// `Ok` unless this rank's collectives failed: its communicator was aborted (a GPU wait
+    /// that returned after an abort leaves garbage) or a peer all-reduce gave up. Call it once
+    /// the rank's stream was waited for.
+    pub fn check_collectives(&self) -> Result<()> {
+        if let Some(c) = &self.comm {
+            c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {}: {e}", self.rank)))?;
+        }
+        self.check_peer()
+    }
+
     /// `Ok` unless a peer all-reduce of this rank gave up (aborted, or timed out waiting for a
     /// peer): call it once the rank's stream was waited for.
     pub fn check_peer(&self) -> Result<()> {

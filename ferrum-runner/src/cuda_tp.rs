@@ -510,8 +510,9 @@ pub fn synthetic_group_with(
 /// machine, and on GPU 0 of a machine with one GPU per rank, e.g. one process per node; NCCL
 /// refuses two ranks on one GPU), joined to the others through `dist.rendezvous`.
 ///
-/// Known limit: a rank whose peer *process* dies waits in its next collective until NCCL's own
-/// timeouts (no watchdog polls `check_async_error` yet); the in-process group aborts at once.
+/// A watchdog thread ([`crate::watchdog`]) aborts the rank's communicator when NCCL reports an
+/// asynchronous error or a call makes no progress for `FERRUM_TP_STALL_TIMEOUT_S` (default
+/// 120 s): a rank whose peer process died then fails instead of waiting forever.
 pub fn open_process_rank(
     weights: &ModelWeights,
     ordinal: usize,
@@ -546,6 +547,7 @@ pub fn open_process_rank(
     runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
     let label = format!("cuda:{gpu} {} rank {}/{}", dtype.name(), dist.rank, dist.world_size);
     let mut rank = CudaRank::new(runner, dist.rank);
-    rank.set_comm(nccl);
-    Ok(Box::new(CudaBackend::with_rank(rank, label)))
+    rank.set_comm(nccl.clone());
+    let stall = crate::watchdog::stall_timeout_from_env()?;
+    Ok(Box::new(crate::watchdog::Watched::new(CudaBackend::with_rank(rank, label), nccl, stall)?))
 }

@@ -34,6 +34,8 @@ pub mod shard;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod tp;
+#[cfg(feature = "cuda")]
+pub mod watchdog;
 pub mod weights;
 
 pub use error::{Error, Result};

@@ -622,3 +622,50 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     assert_eq!(pp.last().map(|x| x.0), Some("(end)"));
     assert!(pp.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{pp:?}");
 }
+
+/// A rank of a multi-process group whose peer stops (the peer's backend stays open but never
+/// joins another collective, as when its process dies): the rank's watchdog aborts its
+/// communicator after the stall timeout, and the call fails instead of waiting forever. The
+/// two ranks are threads here, each with its own communicator from a file rendezvous: the
+/// process-rank code path.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_process_rank_whose_peer_stops_fails_instead_of_hanging() {
+    use ferrum_runner::session::DistOptions;
+    init();
+    std::env::set_var("FERRUM_TP_STALL_TIMEOUT_S", "2");
+    let cfg = config(Arch::Llama, false, 2);
+    let p = prompt(20, cfg.vocab_size, 3);
+    let path = std::env::temp_dir().join(format!("ferrum-watchdog-{}.id", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let dist = |rank| DistOptions { rank, world_size: 2, rendezvous: format!("file:{}", path.display()) };
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let peer = {
+        let (cfg, p, d) = (cfg.clone(), p.clone(), dist(1));
+        std::thread::spawn(move || {
+            let mut b = ferrum_runner::cuda_tp::open_process_rank(&weights(&cfg, 5), 0, 2, &d, BF16, false).unwrap();
+            b.prefill(&p, 128).unwrap();
+            // "Dies": no further collective until rank 0 has given up.
+            let _ = done_rx.recv();
+            drop(b);
+        })
+    };
+    let mut b = ferrum_runner::cuda_tp::open_process_rank(&weights(&cfg, 5), 0, 2, &dist(0), BF16, false).unwrap();
+    let l = b.prefill(&p, 128).unwrap();
+    let t = Instant::now();
+    let r = b.decode_on_device(argmax(&l), 32, DeviceSampling::Greedy, &mut |_| Ok(true));
+    let took = t.elapsed();
+    let err = r.expect_err("a rank whose peer stopped must fail").to_string();
+    println!("rank 0 with a stopped peer: error after {took:?}: `{err}`");
+    assert!(err.contains("no progress"), "{err}");
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(10), "{took:?}");
+    // Failed for good: the next call fails at once.
+    let t = Instant::now();
+    assert!(b.step(0).is_err());
+    assert!(t.elapsed() < Duration::from_secs(1));
+    drop(b);
+    done_tx.send(()).unwrap();
+    peer.join().unwrap();
+    std::env::remove_var("FERRUM_TP_STALL_TIMEOUT_S");
+    let _ = std::fs::remove_file(&path);
+}

@@ -1,0 +1,187 @@
+//! The watchdog of a multi-process TP rank: it aborts the rank's NCCL communicator when NCCL
+//! reports an asynchronous error, or when a call into the rank makes no progress for the stall
+//! timeout.
+//!
+//! Why: a rank whose peer *process* dies waits in its next collective for a peer that will
+//! never come. Over NVLink or shared memory NCCL notices nothing (its kernels just spin), so
+//! without this the rank would hang forever. The in-process group needs no watchdog: a rank
+//! thread that fails poisons the group, which aborts every communicator at once.
+//!
+//! Progress is marked by the wrapped backend ([`Watched`]): when a call starts, after every
+//! batch of device-chosen tokens, and idle between calls (an idle rank is never aborted).
+//! Aborting the communicator makes its kernels exit, so the blocked wait returns and the call
+//! fails with the communicator's error.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use ferrum_nccl::NcclRank;
+
+use crate::backend::{DecodeBackend, DeviceRun, DeviceSampling};
+use crate::error::{Error, Result};
+
+/// How often the watchdog looks.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Default stall timeout: generous, since one call may legitimately take long (a prefill of a
+/// long prompt on a large model); `FERRUM_TP_STALL_TIMEOUT_S` sets another.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// `FERRUM_TP_STALL_TIMEOUT_S` (whole seconds, 1 ..= 86400), else [`DEFAULT_STALL_TIMEOUT`].
+pub fn stall_timeout_from_env() -> Result<Duration> {
+    let name = "FERRUM_TP_STALL_TIMEOUT_S";
+    let v = std::env::var(name).ok();
+    let secs =
+        ferrum_cuda::plan::knob(name, v.as_deref(), 1, 86_400).map_err(|e| Error::InvalidInput(e.to_string()))?;
+    Ok(secs.map_or(DEFAULT_STALL_TIMEOUT, |s| Duration::from_secs(s as u64)))
+}
+
+struct State {
+    start: Instant,
+    /// Milliseconds since `start` of the last progress mark of the running call, plus one;
+    /// 0 while no call runs. Relaxed everywhere: it is a heuristic clock reading that publishes
+    /// no other data, and a stale read only delays or advances the abort by one poll.
+    busy_since: AtomicU64,
+    /// Set by Drop to stop the thread (Relaxed: it publishes nothing; the join orders the rest).
+    stop: AtomicBool,
+}
+
+impl State {
+    fn mark(&self) {
+        let ms = self.start.elapsed().as_millis() as u64 + 1;
+        self.busy_since.store(ms, Ordering::Relaxed);
+    }
+}
+
+/// Marks the running call idle when dropped (also on an error or a panic).
+struct Busy<'a>(&'a State);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.busy_since.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A backend of a multi-process rank with its watchdog thread.
+pub struct Watched<B: DecodeBackend> {
+    inner: B,
+    state: Arc<State>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<B: DecodeBackend> std::fmt::Debug for Watched<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watched").field("backend", &self.inner.describe()).finish_non_exhaustive()
+    }
+}
+
+impl<B: DecodeBackend> Watched<B> {
+    /// Wraps `inner`, whose collectives run on `comm`, and starts the watchdog thread.
+    pub fn new(inner: B, comm: Arc<NcclRank>, stall: Duration) -> Result<Self> {
+        let state =
+            Arc::new(State { start: Instant::now(), busy_since: AtomicU64::new(0), stop: AtomicBool::new(false) });
+        let s = state.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ferrum-watchdog-{}", comm.rank()))
+            .spawn(move || watch(&s, &comm, stall))
+            .map_err(|e| Error::Tp(format!("starting the watchdog thread: {e}")))?;
+        Ok(Self { inner, state, thread: Some(thread) })
+    }
+}
+
+/// Marks a call as running (progress now) until the guard drops.
+fn busy(state: &State) -> Busy<'_> {
+    state.mark();
+    Busy(state)
+}
+
+fn watch(s: &State, comm: &NcclRank, stall: Duration) {
+    let stall_ms = stall.as_millis() as u64;
+    while !s.stop.load(Ordering::Relaxed) {
+        std::thread::sleep(POLL);
+        if comm.is_aborted() {
+            return; // nothing left to watch (an abort is permanent)
+        }
+        if let Err(e) = comm.check_async_error() {
+            // check_async_error aborted the communicator already.
+            tracing::warn!(rank = comm.rank(), error = %e, "NCCL reported an asynchronous error");
+            return;
+        }
+        let since = s.busy_since.load(Ordering::Relaxed);
+        if since != 0 {
+            let now = s.start.elapsed().as_millis() as u64 + 1;
+            if now.saturating_sub(since) > stall_ms {
+                let why = format!("no progress for {} s: a peer rank may have died", stall.as_secs());
+                tracing::warn!(rank = comm.rank(), "{why}: aborting the communicator");
+                comm.abort(&why);
+                return;
+            }
+        }
+    }
+}
+
+impl<B: DecodeBackend> Drop for Watched<B> {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            // The thread only sleeps, polls and aborts: it returns within one poll. A panic in
+            // it is only logged (Drop never panics).
+            if t.join().is_err() {
+                tracing::warn!("the TP watchdog thread panicked");
+            }
+        }
+    }
+}
+
+impl<B: DecodeBackend> DecodeBackend for Watched<B> {
+    fn vocab_size(&self) -> usize {
+        self.inner.vocab_size()
+    }
+
+    fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        let _busy = busy(&self.state);
+        self.inner.prefill(tokens, capacity)
+    }
+
+    fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let _busy = busy(&self.state);
+        self.inner.step(token)
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn profile_step(&mut self, token: u32) -> Result<Option<Vec<(&'static str, f64)>>> {
+        let _busy = busy(&self.state);
+        self.inner.profile_step(token)
+    }
+
+    fn profile_prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Option<Vec<(&'static str, f64)>>> {
+        let _busy = busy(&self.state);
+        self.inner.profile_prefill(tokens, capacity)
+    }
+
+    fn has_device_decode(&self) -> bool {
+        self.inner.has_device_decode()
+    }
+
+    fn decode_on_device(
+        &mut self,
+        token: u32,
+        max_steps: usize,
+        sampling: DeviceSampling,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<DeviceRun> {
+        let state = self.state.clone();
+        let _busy = busy(&self.state);
+        // Each batch of tokens read back is progress.
+        let mut marked = |t: u32| {
+            state.mark();
+            on_token(t)
+        };
+        self.inner.decode_on_device(token, max_steps, sampling, &mut marked)
+    }
+}
