@@ -2,7 +2,8 @@
 //!
 //! The same [`CudaRank`] serves the single-GPU backend, each thread of the in-process
 //! tensor-parallel group ([`crate::cuda_tp`]) and each process of a multi-process run (those two
-//! with an NCCL reducer installed in the runner, so the all-reduces are captured too).
+//! with a reducer installed in the runner, so the all-reduces are captured too: ferrum-cuda's
+//! peer all-reduce kernels for an in-process group with peer access, else NCCL's).
 //!
 //! # Device-fed decoding
 //!

@@ -512,7 +512,8 @@ pub fn synthetic_group_with(
 ///
 /// A watchdog thread ([`crate::watchdog`]) aborts the rank's communicator when NCCL reports an
 /// asynchronous error or a call makes no progress for `FERRUM_TP_STALL_TIMEOUT_S` (default
-/// 120 s): a rank whose peer process died then fails instead of waiting forever.
+/// 120 s): a rank whose peer process died then fails instead of waiting forever. Not covered
+/// yet: the warm-up all-reduce before the watchdog starts (a peer that dies during start-up).
 pub fn open_process_rank(
     weights: &ModelWeights,
     ordinal: usize,
