@@ -552,3 +552,28 @@ pub fn open_process_rank(
     let stall = crate::watchdog::stall_timeout_from_env()?;
     Ok(Box::new(crate::watchdog::Watched::new(CudaBackend::with_rank(rank, label), nccl, stall)?))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::AllReduce;
+
+    /// `FERRUM_ALLREDUCE`: the three modes (and unset) parse; anything else is an error that
+    /// names the variable and the accepted values. One test, as it sets the process's
+    /// environment.
+    #[test]
+    fn all_reduce_knob() {
+        let var = "FERRUM_ALLREDUCE";
+        std::env::remove_var(var);
+        assert_eq!(AllReduce::from_env().unwrap(), AllReduce::Auto);
+        for (v, want) in [("auto", AllReduce::Auto), ("nccl", AllReduce::Nccl), (" peer ", AllReduce::Peer)] {
+            std::env::set_var(var, v);
+            assert_eq!(AllReduce::from_env().unwrap(), want, "{v:?}");
+        }
+        for bad in ["", "NCCL", "p2p", "1"] {
+            std::env::set_var(var, bad);
+            let e = AllReduce::from_env().expect_err(bad).to_string();
+            assert!(e.contains(var) && e.contains("auto, nccl or peer"), "{bad:?}: {e}");
+        }
+        std::env::remove_var(var);
+    }
+}

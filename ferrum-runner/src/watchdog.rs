@@ -185,3 +185,27 @@ impl<B: DecodeBackend> DecodeBackend for Watched<B> {
         self.inner.decode_on_device(token, max_steps, sampling, &mut marked)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{stall_timeout_from_env, DEFAULT_STALL_TIMEOUT};
+    use std::time::Duration;
+
+    /// `FERRUM_TP_STALL_TIMEOUT_S`: whole seconds in 1 ..= 86400, unset means the default;
+    /// zero, negative, fractional, non-numeric and too large values are errors naming the
+    /// variable. One test, as it sets the process's environment.
+    #[test]
+    fn stall_timeout_knob() {
+        let var = "FERRUM_TP_STALL_TIMEOUT_S";
+        std::env::remove_var(var);
+        assert_eq!(stall_timeout_from_env().unwrap(), DEFAULT_STALL_TIMEOUT);
+        std::env::set_var(var, "5");
+        assert_eq!(stall_timeout_from_env().unwrap(), Duration::from_secs(5));
+        for bad in ["0", "-1", "1.5", "abc", "", "86401"] {
+            std::env::set_var(var, bad);
+            let e = stall_timeout_from_env().expect_err(bad).to_string();
+            assert!(e.contains(var), "{bad:?}: {e}");
+        }
+        std::env::remove_var(var);
+    }
+}

@@ -104,6 +104,11 @@ pub fn run(a: CiArgs) -> Result<()> {
     let mut c = cargo();
     c.args(["test", "-p", "ferrum-runner", "--no-default-features", "--features", "barrier-std", "--test", "tp"]);
     t.run("tests (CPU tensor parallelism, barrier-std)", c)?;
+    // The `cuda` feature's unit tests need no GPU (the driver is loaded only when used): the
+    // host-side parts of the CUDA backend (knobs, the peer kernels' parameter layout).
+    let mut c = cargo();
+    c.args(["test", "-p", "ferrum-cuda", "-p", "ferrum-runner", "--features", "cuda", "--lib"]);
+    t.run("unit tests (cuda feature, no GPU needed)", c)?;
 
     // Loom explores every interleaving of the barrier protocol; it runs in release, in its own
     // target dir so the `--cfg loom` build does not evict the normal one.
