@@ -8,33 +8,38 @@
 // Each rank `p` owns, in its own device memory,
 //   recv[p]  : [2 parities][world][2 * cap] floats: rank q's lines of call e land in
 //              recv[p][e % 2][q], each as a 16-byte {payload word 0, e, payload word 1, e}
-//   counter  : the epoch of this rank's last completed call (0 before the first)
-// both zeroed at the start. Call e (e = counter + 1, the same e on every rank because every
+//   counter  : {the epoch of this rank's last completed call (0 before the first), failed}
+// all zeroed at the start. Call e (e = counter + 1, the same e on every rank because every
 // rank makes the same calls) on rank r, every thread for its own lines l:
 //   1. stores line l of r's partial, with the epoch beside each payload word, into
-//      recv[p][e % 2][r] of every peer p, as one 16-byte store;
+//      recv[p][e % 2][r] of every peer p, as one vector store of two 8-byte elements
+//      (payload word | epoch << 32);
 //   2. loads (volatile) line l of every peer q from its own recv[r][e % 2][q] until both epoch
-//      words read e. Each 8-byte half (payload word, epoch) of the 16-byte store is written
-//      and read as a unit (single-copy atomic, the property NCCL's LL protocol rests on), so a
-//      half whose epoch is e carries call e's payload: no fence and no separate flag, so a
-//      value crosses NVLink once, one way;
+//      words read e. Each 8-byte element is one naturally aligned 8-byte access, which the PTX
+//      memory model makes single-copy atomic, so an element whose epoch is e carries call e's
+//      payload (the idea of NCCL's LL protocol): no fence and no separate flag, so a value
+//      crosses NVLink once, one way;
 //   3. sums the partials of ranks 0, 1, …, world-1 in that order in fp32 (its own from its
 //      own input) and rounds once to T: every rank executes the same float operations on the
 //      same values, so every rank gets bit-identical sums (for two ranks round(a + b), which
 //      is also what NCCL returns).
 //
-// Why two parities suffice: rank q writes recv[r][e % 2][q] again only in call e + 2, which it
-// starts after its call e + 1 finished, which needed r's lines of call e + 1, which r pushes
-// only in its call e + 1, after its call e (and all its reads of parity e % 2) finished. So no
-// slot is overwritten while it is read, and a slot's epoch words are e - 2 (or 0 before its
-// first use) until call e's lines land: "equal to e" is the exact test, wrapping included.
+// Why two parities suffice (while every call succeeds): rank q writes recv[r][e % 2][q] again
+// only in call e + 2, which it starts after its call e + 1 finished, which needed r's lines of
+// call e + 1, which r pushes only in its call e + 1, after its call e (and all its reads of
+// parity e % 2) finished. So no slot is overwritten while it is read, and a slot's epoch words
+// are e - 2 (or 0 before its first use) until call e's lines land: "equal to e" is the exact
+// test, wrapping included (2^32 is even, so the parity keeps alternating). A rank's calls must
+// be ordered (one stream): the counter is read at a call's start and written at its end.
 //
 // # Never hang
 // Each waiting thread reads %globaltimer every PEER_POLL_SPINS spins and its rank's
 // host-mapped abort word (set by the host when the TP group fails) every PEER_ABORT_SPINS
 // spins. On a timeout or an abort the block records why in the rank's host-mapped status word
-// and returns without its outputs (the host turns the status into an error; the group is
-// then finished).
+// and in its device-side `failed` word, and returns without its outputs. `failed` is sticky:
+// every later call of the rank returns at once without pushing (so a queue of calls behind a
+// failed one cannot wait a timeout each, and no later push can land in a slot a peer is still
+// reading). The host turns the status into an error; the group is then finished.
 #pragma once
 #include "common.cuh"
 
@@ -53,25 +58,30 @@
 struct PeerArgs {
     float *recv[PEER_MAX_RANKS];
     float *own_recv;
-    unsigned *counter;
+    unsigned *counter; // {epoch, failed}, 8-byte aligned
     const volatile unsigned *abort; // host-mapped, this rank's abort word (written by the host)
     volatile unsigned *status;      // host-mapped, this rank's status word
     unsigned long long timeout_ns;
     int rank, world, cap;
 };
+// The layout the Rust side mirrors (its test checks the same offsets with `offset_of!`).
+static_assert(offsetof(PeerArgs, own_recv) == 64 && offsetof(PeerArgs, counter) == 72 &&
+                  offsetof(PeerArgs, abort) == 80 && offsetof(PeerArgs, status) == 88 &&
+                  offsetof(PeerArgs, timeout_ns) == 96 && offsetof(PeerArgs, rank) == 104 &&
+                  offsetof(PeerArgs, world) == 108 && offsetof(PeerArgs, cap) == 112 &&
+                  sizeof(PeerArgs) == 120,
+              "PeerArgs layout (peer_abi.rs)");
 
+// A line: two 8-byte elements, each (payload word | epoch << 32), in one vector access.
 __device__ __forceinline__ void peer_st_line(float *p, uint2 w, unsigned e) {
-    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(w.x), "r"(e), "r"(w.y),
-                 "r"(e)
-                 : "memory");
+    const unsigned long long lo = (unsigned long long)w.x | ((unsigned long long)e << 32);
+    const unsigned long long hi = (unsigned long long)w.y | ((unsigned long long)e << 32);
+    asm volatile("st.volatile.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(lo), "l"(hi) : "memory");
 }
 
-__device__ __forceinline__ uint4 peer_ld_line(const float *p) {
-    uint4 v;
-    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
+__device__ __forceinline__ ulonglong2 peer_ld_line(const float *p) {
+    ulonglong2 v;
+    asm volatile("ld.volatile.global.v2.b64 {%0, %1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
     return v;
 }
 
@@ -112,19 +122,24 @@ template <typename T> __device__ __forceinline__ float peer_value(uint2 w, int j
     return to_f(u.v[j]);
 }
 
-// Steps 1-3: dst[i] = T(sum over ranks in rank order of src[i]) for i < n (n <= 2 * cap *
-// sizeof(float) / sizeof(T) values… the host keeps n <= cap); dst may be src. Returns false
-// (every thread alike) when the call gave up (abort or timeout; dst is then garbage). Ends
-// with a bar.sync.
+// Steps 1-3: dst[i] = T(sum over ranks in rank order of src[i]) for i < n (a slot holds
+// 4 * cap / sizeof(T) values; the host keeps n <= cap); dst may be src. Returns false (every
+// thread alike) when the call gave up (abort, timeout, or an earlier failure of this rank; dst
+// is then garbage). Ends with a bar.sync.
 template <typename T> __device__ bool peer_all_reduce(const PeerArgs &a, const T *src, T *dst, int n) {
     constexpr int L = 8 / sizeof(T);
     __shared__ unsigned s_epoch, s_fail;
     if (threadIdx.x == 0) {
-        s_epoch = *a.counter + 1u;
-        s_fail = 0u;
+        const uint2 c = *reinterpret_cast<const uint2 *>(a.counter); // {epoch, failed}
+        s_epoch = c.x + 1u;
+        s_fail = c.y;
     }
     __syncthreads();
     const unsigned e = s_epoch;
+    if (s_fail != 0u) {
+        __syncthreads(); // every thread has read s_fail before anyone returns
+        return false;    // an earlier call failed: the rank is finished (see "Never hang")
+    }
     const int lines = (n + L - 1) / L;
     // Slot of rank q in rank p's buffer, parity e % 2: 2 * cap floats = cap / 2 lines.
     const size_t slot = 2 * (size_t)a.cap;
@@ -147,16 +162,16 @@ template <typename T> __device__ bool peer_all_reduce(const PeerArgs &a, const T
             uint2 w = own;
             if (q != a.rank) {
                 const float *line = a.own_recv + parity + (size_t)q * slot + 4 * (size_t)l;
-                uint4 v = peer_ld_line(line);
+                ulonglong2 v = peer_ld_line(line);
                 unsigned spins = 0;
-                while (v.y != e || v.w != e) {
+                while ((unsigned)(v.x >> 32) != e || (unsigned)(v.y >> 32) != e) {
                     ++spins;
                     if (spins % PEER_POLL_SPINS == 0 && peer_clock_ns() - t0 > a.timeout_ns) fail = PEER_TIMED_OUT;
                     if (spins % PEER_ABORT_SPINS == 0 && *a.abort != 0u) fail = PEER_ABORTED;
                     if (fail != 0u) break;
                     v = peer_ld_line(line);
                 }
-                w = make_uint2(v.x, v.z);
+                w = make_uint2((unsigned)v.x, (unsigned)v.y);
             }
 #pragma unroll
             for (int j = 0; j < L; ++j) s[j] = (q == 0) ? peer_value<T>(w, j) : s[j] + peer_value<T>(w, j);
@@ -171,10 +186,12 @@ template <typename T> __device__ bool peer_all_reduce(const PeerArgs &a, const T
     __syncthreads();
     if (threadIdx.x == 0) {
         if (s_fail == 0u) {
-            *a.counter = e; // read again only by the next call (kernel boundary)
+            a.counter[0] = e; // read again only by the next call (kernel boundary)
         } else {
             // Timed out wins over aborted when both happened (either way the call failed).
-            *a.status = (s_fail & PEER_TIMED_OUT) ? PEER_TIMED_OUT : PEER_ABORTED;
+            const unsigned why = (s_fail & PEER_TIMED_OUT) ? PEER_TIMED_OUT : PEER_ABORTED;
+            a.counter[1] = why; // sticky: the rank's later calls return at once
+            *a.status = why;
             __threadfence_system();
         }
     }

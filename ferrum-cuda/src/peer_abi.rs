@@ -15,7 +15,7 @@ pub(crate) struct PeerArgs {
     pub(crate) recv: [u64; MAX_PEER_RANKS],
     /// `recv[rank]` (the kernels index the array only with constants).
     pub(crate) own_recv: u64,
-    /// This rank's epoch counter (device memory).
+    /// This rank's {epoch, failed} words (device memory, 8-byte aligned).
     pub(crate) counter: u64,
     /// This rank's abort and status words (host memory mapped to the device).
     pub(crate) abort: u64,
@@ -33,9 +33,22 @@ mod tests {
     use super::PeerArgs;
     use crate::Kernel;
 
-    /// The size of the by-value parameter of every peer kernel in both PTX builds.
+    /// The field offsets that peer.cuh's static_assert checks on the C side, and the size of
+    /// the by-value parameter of every peer kernel in both PTX builds.
     #[test]
     fn peer_args_match_the_ptx_parameter() {
+        use std::mem::offset_of;
+        let offsets = [
+            offset_of!(PeerArgs, own_recv),
+            offset_of!(PeerArgs, counter),
+            offset_of!(PeerArgs, abort),
+            offset_of!(PeerArgs, status),
+            offset_of!(PeerArgs, timeout_ns),
+            offset_of!(PeerArgs, rank),
+            offset_of!(PeerArgs, world),
+            offset_of!(PeerArgs, cap),
+        ];
+        assert_eq!(offsets, [64, 72, 80, 88, 96, 104, 108, 112]);
         let want = std::mem::size_of::<PeerArgs>();
         assert_eq!(want, 120);
         for k in [

@@ -262,6 +262,7 @@ impl DecodeBackend for CudaBackend {
         self.new_sequence(capacity)?;
         let p = self.rank.runner().profile_prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
+        self.rank.check_collectives()?;
         Ok(Some(p))
     }
 
@@ -286,6 +287,7 @@ impl DecodeBackend for CudaBackend {
         }
         let p = self.rank.runner().profile_decode_step(SEQ, token, self.pos).map_err(cuda_error)?;
         self.pos += 1;
+        self.rank.check_collectives()?;
         Ok(Some(p))
     }
 

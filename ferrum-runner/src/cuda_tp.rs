@@ -512,8 +512,9 @@ pub fn synthetic_group_with(
 ///
 /// A watchdog thread ([`crate::watchdog`]) aborts the rank's communicator when NCCL reports an
 /// asynchronous error or a call makes no progress for `FERRUM_TP_STALL_TIMEOUT_S` (default
-/// 120 s): a rank whose peer process died then fails instead of waiting forever. Not covered
-/// yet: the warm-up all-reduce before the watchdog starts (a peer that dies during start-up).
+/// 120 s), from the warm-up all-reduce on: a rank whose peer process died then fails instead
+/// of waiting forever. Before that, the rendezvous waits at most its own timeout (120 s); NCCL's
+/// init with a peer that died during it is the one wait left to NCCL.
 pub fn open_process_rank(
     weights: &ModelWeights,
     ordinal: usize,
@@ -543,14 +544,18 @@ pub fn open_process_rank(
     let opts = RendezvousOptions::default();
     let nccl = NcclRank::init_rank_rendezvous(runner.context(), dist.rank, dist.world_size, &rendezvous, &opts)
         .map_err(nccl_error)?;
-    warm_up(&runner, &nccl)?;
     let nccl = Arc::new(nccl);
+    // Watched from the first collective on (the warm-up all-reduce).
+    let dog = crate::watchdog::Watchdog::start(nccl.clone(), crate::watchdog::stall_timeout_from_env()?)?;
+    {
+        let _busy = dog.busy();
+        warm_up(&runner, &nccl)?;
+    }
     runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
     let label = format!("cuda:{gpu} {} rank {}/{}", dtype.name(), dist.rank, dist.world_size);
     let mut rank = CudaRank::new(runner, dist.rank);
-    rank.set_comm(nccl.clone());
-    let stall = crate::watchdog::stall_timeout_from_env()?;
-    Ok(Box::new(crate::watchdog::Watched::new(CudaBackend::with_rank(rank, label), nccl, stall)?))
+    rank.set_comm(nccl);
+    Ok(Box::new(crate::watchdog::Watched::new(CudaBackend::with_rank(rank, label), dog)))
 }
 
 #[cfg(test)]

@@ -7,10 +7,16 @@
 //! without this the rank would hang forever. The in-process group needs no watchdog: a rank
 //! thread that fails poisons the group, which aborts every communicator at once.
 //!
-//! Progress is marked by the wrapped backend ([`Watched`]): when a call starts, after every
-//! batch of device-chosen tokens, and idle between calls (an idle rank is never aborted).
-//! Aborting the communicator makes its kernels exit, so the blocked wait returns and the call
-//! fails with the communicator's error.
+//! Progress is marked by the wrapped backend ([`Watched`]): when a call starts and after every
+//! batch of device-chosen tokens; between calls, and while the caller's token callback runs,
+//! the rank is idle and never aborted. Aborting the communicator makes its kernels exit, so the
+//! blocked wait returns and the call fails with the communicator's error. The watchdog starts
+//! before the rank's first collective (`open_process_rank`'s warm-up all-reduce); the NCCL
+//! init and the rendezvous before it have their own timeouts.
+//!
+//! Limit: a whole call is one unit of progress, so the stall timeout must exceed the longest
+//! legitimate prefill (the default, 120 s, is far above what a prompt takes on the supported
+//! models: an 8k-token Llama-3-8B prompt takes 0.33 s on an H200).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -64,22 +70,28 @@ impl Drop for Busy<'_> {
     }
 }
 
-/// A backend of a multi-process rank with its watchdog thread.
-pub struct Watched<B: DecodeBackend> {
-    inner: B,
+/// Marks a call as running, progress now, until the guard drops.
+fn busy(state: &State) -> Busy<'_> {
+    state.mark();
+    Busy(state)
+}
+
+/// The watchdog thread of one communicator. Stops (and is joined) when dropped.
+pub struct Watchdog {
     state: Arc<State>,
     thread: Option<JoinHandle<()>>,
 }
 
-impl<B: DecodeBackend> std::fmt::Debug for Watched<B> {
+impl std::fmt::Debug for Watchdog {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Watched").field("backend", &self.inner.describe()).finish_non_exhaustive()
+        f.debug_struct("Watchdog").finish_non_exhaustive()
     }
 }
 
-impl<B: DecodeBackend> Watched<B> {
-    /// Wraps `inner`, whose collectives run on `comm`, and starts the watchdog thread.
-    pub fn new(inner: B, comm: Arc<NcclRank>, stall: Duration) -> Result<Self> {
+impl Watchdog {
+    /// Starts watching `comm`: it is aborted on an asynchronous error, or when a call marked
+    /// with [`Watchdog::busy`] makes no progress for `stall`.
+    pub fn start(comm: Arc<NcclRank>, stall: Duration) -> Result<Self> {
         let state =
             Arc::new(State { start: Instant::now(), busy_since: AtomicU64::new(0), stop: AtomicBool::new(false) });
         let s = state.clone();
@@ -87,14 +99,26 @@ impl<B: DecodeBackend> Watched<B> {
             .name(format!("ferrum-watchdog-{}", comm.rank()))
             .spawn(move || watch(&s, &comm, stall))
             .map_err(|e| Error::Tp(format!("starting the watchdog thread: {e}")))?;
-        Ok(Self { inner, state, thread: Some(thread) })
+        Ok(Self { state, thread: Some(thread) })
+    }
+
+    /// Marks a call as running, progress now, until the guard drops.
+    pub fn busy(&self) -> impl Sized + '_ {
+        busy(&self.state)
     }
 }
 
-/// Marks a call as running (progress now) until the guard drops.
-fn busy(state: &State) -> Busy<'_> {
-    state.mark();
-    Busy(state)
+impl Drop for Watchdog {
+    fn drop(&mut self) {
+        self.state.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            // The thread sleeps, polls and at most aborts the communicator once; it returns
+            // within one poll after that. A panic in it is only logged (Drop never panics).
+            if t.join().is_err() {
+                tracing::warn!("the TP watchdog thread panicked");
+            }
+        }
+    }
 }
 
 fn watch(s: &State, comm: &NcclRank, stall: Duration) {
@@ -122,50 +146,82 @@ fn watch(s: &State, comm: &NcclRank, stall: Duration) {
     }
 }
 
+/// A backend of a multi-process rank with its watchdog.
+pub struct Watched<B: DecodeBackend> {
+    /// `Some` until dropped: the backend goes first (its captured graphs included: an
+    /// `ncclCommAbort` in progress on the watchdog thread may wait for them), then the
+    /// watchdog is joined.
+    inner: Option<B>,
+    dog: Watchdog,
+}
+
+impl<B: DecodeBackend> std::fmt::Debug for Watched<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watched").field("backend", &self.inner.as_ref().map(|b| b.describe())).finish_non_exhaustive()
+    }
+}
+
+impl<B: DecodeBackend> Watched<B> {
+    /// Wraps `inner`, whose collectives the (already started) `dog` watches.
+    pub fn new(inner: B, dog: Watchdog) -> Self {
+        Self { inner: Some(inner), dog }
+    }
+
+    /// The backend and the watchdog's clock (`inner` is `None` only inside Drop).
+    fn parts(&mut self) -> Result<(&mut B, &Arc<State>)> {
+        match self.inner.as_mut() {
+            Some(b) => Ok((b, &self.dog.state)),
+            None => Err(Error::Tp("the backend was dropped".into())),
+        }
+    }
+
+    fn inner(&self) -> Option<&B> {
+        self.inner.as_ref()
+    }
+}
+
 impl<B: DecodeBackend> Drop for Watched<B> {
     fn drop(&mut self) {
-        self.state.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            // The thread only sleeps, polls and aborts: it returns within one poll. A panic in
-            // it is only logged (Drop never panics).
-            if t.join().is_err() {
-                tracing::warn!("the TP watchdog thread panicked");
-            }
-        }
+        // The backend first; the watchdog is joined when `dog` drops after this.
+        drop(self.inner.take());
     }
 }
 
 impl<B: DecodeBackend> DecodeBackend for Watched<B> {
     fn vocab_size(&self) -> usize {
-        self.inner.vocab_size()
+        self.inner().map_or(0, B::vocab_size)
     }
 
     fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
-        let _busy = busy(&self.state);
-        self.inner.prefill(tokens, capacity)
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.prefill(tokens, capacity)
     }
 
     fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        let _busy = busy(&self.state);
-        self.inner.step(token)
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.step(token)
     }
 
     fn describe(&self) -> String {
-        self.inner.describe()
+        self.inner().map_or_else(String::new, B::describe)
     }
 
     fn profile_step(&mut self, token: u32) -> Result<Option<Vec<(&'static str, f64)>>> {
-        let _busy = busy(&self.state);
-        self.inner.profile_step(token)
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.profile_step(token)
     }
 
     fn profile_prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Option<Vec<(&'static str, f64)>>> {
-        let _busy = busy(&self.state);
-        self.inner.profile_prefill(tokens, capacity)
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.profile_prefill(tokens, capacity)
     }
 
     fn has_device_decode(&self) -> bool {
-        self.inner.has_device_decode()
+        self.inner().is_some_and(B::has_device_decode)
     }
 
     fn decode_on_device(
@@ -175,14 +231,17 @@ impl<B: DecodeBackend> DecodeBackend for Watched<B> {
         sampling: DeviceSampling,
         on_token: &mut dyn FnMut(u32) -> Result<bool>,
     ) -> Result<DeviceRun> {
-        let state = self.state.clone();
-        let _busy = busy(&self.state);
-        // Each batch of tokens read back is progress.
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        // Each batch of tokens read back is progress; the caller's callback is not the rank's
+        // time (a slow consumer must not look like a stall).
         let mut marked = |t: u32| {
-            state.mark();
-            on_token(t)
+            s.busy_since.store(0, Ordering::Relaxed);
+            let r = on_token(t);
+            s.mark();
+            r
         };
-        self.inner.decode_on_device(token, max_steps, sampling, &mut marked)
+        b.decode_on_device(token, max_steps, sampling, &mut marked)
     }
 }
 

@@ -66,7 +66,7 @@ struct Buffers {
     /// One per rank (ranks may share a device, e.g. in tests on one GPU).
     ctxs: Vec<Arc<CudaContext>>,
     /// Rank r's device memory: its receive slots (`[2][world][2 * cap]` floats), then its
-    /// epoch counter. The kernels reach them through `PeerArgs`.
+    /// {epoch, failed} words. The kernels reach them through `PeerArgs`.
     mem: Vec<RawAlloc>,
     /// Host memory mapped into every device: `[abort word of rank 0..w, status word of rank 0..w]`.
     ctl: PinnedHostSlice<u32>,
@@ -94,8 +94,15 @@ impl Buffers {
 impl Drop for Buffers {
     fn drop(&mut self) {
         // Any rank's kernels may still write into any rank's buffers: wait for every device
-        // before the frees (errors are only logged: Drop never panics). Aborted or timed-out
-        // kernels return by themselves, so this terminates.
+        // before the frees (errors are only logged: Drop never panics). Abort every rank first,
+        // so a kernel still waiting for a peer that will never come returns (within its abort
+        // poll, not its timeout), and so does every call queued behind it (the failure is
+        // sticky).
+        for r in 0..self.ctl.len() / 2 {
+            // SAFETY: word r < world of the live ctl allocation, aligned; volatile because a
+            // device reads it.
+            unsafe { std::ptr::write_volatile(self.ctl_host.add(r), 1) };
+        }
         let sync = |what: &str| {
             for c in &self.ctxs {
                 if let Err(e) = c.synchronize() {
@@ -167,9 +174,11 @@ impl std::fmt::Debug for PeerHandle {
 }
 
 impl PeerHandle {
-    /// Makes this rank's waiting (and future) peer kernels return at once (as NCCL's abort of
-    /// one communicator): [`check`](Self::check) then fails. A failed TP group aborts every
-    /// rank. Permanent.
+    /// Aborts this rank (as NCCL's abort of one communicator): its kernels that wait for a peer
+    /// return within their next abort poll (every few thousand spins, well under a
+    /// millisecond), those after them at once, and [`check`](Self::check) then fails (a kernel
+    /// whose peers had already answered may still complete; `check` refuses its result too). A
+    /// failed TP group aborts every rank. Permanent.
     pub fn abort(&self) {
         // SAFETY: word `rank` (< world < ctl.len()) of the live ctl allocation, aligned;
         // volatile because a device reads it.
@@ -272,9 +281,10 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
         .map_err(|_| Error::InvalidArgument(format!("peer capacity {capacity} × {world} ranks is too large")))?;
     let ctxs = ordinals.iter().map(|&o| super::context(o)).collect::<Result<Vec<_>>>()?;
     enable_peer_access(&ctxs)?;
-    // Each rank's receive slots, then its epoch counter, in one allocation.
+    // Each rank's receive slots, then its {epoch, failed} words (8-byte aligned: the kernels
+    // read them with one load), in one allocation.
     let counter_offset = (slots * std::mem::size_of::<f32>()).next_multiple_of(256);
-    let bytes = counter_offset + std::mem::size_of::<u32>();
+    let bytes = counter_offset + 2 * std::mem::size_of::<u32>();
     let mem = ctxs.iter().map(|c| RawAlloc::zeroed(c, bytes)).collect::<Result<Vec<_>>>()?;
     // SAFETY: initialised right below, before anything reads it.
     let mut ctl = unsafe {
@@ -373,7 +383,8 @@ impl PeerRank {
 
     /// Sums `data[..len]` over the ranks, in place, on `stream` (of this rank's GPU): f32, f16
     /// or bf16, accumulated in fp32 in rank order and rounded once. Every rank must make the
-    /// same call. Fails at once (nothing enqueued) when `len` exceeds the capacity or `data`; a
+    /// same calls in the same order, and a rank's calls must be ordered on one stream (the
+    /// kernels keep the rank's call count on the device). Fails at once (nothing enqueued) when `len` exceeds the capacity or `data`; a
     /// peer that never answers shows up in [`PeerHandle::check`].
     pub fn all_reduce_sum_in_place<T: PeerElement>(
         &self,
