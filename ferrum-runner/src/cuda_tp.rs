@@ -176,22 +176,29 @@ struct Aborts {
     peer: Vec<PeerHandle>,
 }
 
-/// Aborts every communicator and every rank's peer kernels (so no rank stays blocked in a
-/// collective) and returns the error.
+impl Aborts {
+    /// Aborts every rank's peer kernels and communicator (so no rank stays blocked in a
+    /// collective). ncclCommAbort takes a while (it stops NCCL's proxy threads): the
+    /// communicators are aborted in parallel.
+    #[cold]
+    fn abort_all(&self, msg: &str) {
+        for p in &self.peer {
+            p.abort();
+        }
+        std::thread::scope(|s| {
+            for a in &self.nccl {
+                s.spawn(|| a.abort(msg));
+            }
+        });
+    }
+}
+
+/// Aborts the whole group ([`Aborts::abort_all`]) and returns the error.
 #[cold]
 fn fail(aborts: &Aborts, e: TpError<Error>) -> Error {
     let msg = flatten(&e);
     tracing::debug!(error = %msg, "TP group failed: aborting every communicator");
-    for p in &aborts.peer {
-        p.abort();
-    }
-    let aborts = &aborts.nccl;
-    // ncclCommAbort takes a while (it stops NCCL's proxy threads): abort the ranks in parallel.
-    std::thread::scope(|s| {
-        for a in aborts {
-            s.spawn(|| a.abort(&msg));
-        }
-    });
+    aborts.abort_all(&msg);
     tracing::debug!("every communicator aborted");
     Error::Tp(msg)
 }
@@ -397,12 +404,7 @@ impl Drop for CudaTpBackend {
     fn drop(&mut self) {
         if self.group.is_poisoned() {
             // Already aborted by `fail`; again in case the poison came another way.
-            for a in &self.aborts.nccl {
-                a.abort("the TP group was dropped after a failure");
-            }
-            for p in &self.aborts.peer {
-                p.abort();
-            }
+            self.aborts.abort_all("the TP group was dropped after a failure");
         }
         // The group's own Drop shuts the ranks down (or joins them, when poisoned).
     }

@@ -125,13 +125,13 @@ struct RawAlloc {
 
 impl RawAlloc {
     fn zeroed(ctx: &Arc<CudaContext>, bytes: usize) -> Result<Self> {
-        ctx.bind_to_thread().map_err(driver("binding a context"))?;
+        ctx.bind_to_thread().map_err(Error::driver("binding a context"))?;
         let mut ptr = 0u64;
         // SAFETY: `ptr` is a valid out-pointer; the context is current on this thread.
         match unsafe { cu::cuMemAlloc_v2(&mut ptr, bytes) } {
             cu::CUresult::CUDA_SUCCESS => {}
             cu::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-                let (free, total) = ctx.mem_get_info().map_err(driver("cuMemGetInfo"))?;
+                let (free, total) = ctx.mem_get_info().map_err(Error::driver("cuMemGetInfo"))?;
                 let (free, total) = (free as u64, total as u64);
                 return Err(Error::OutOfMemory { what: "peer buffers".into(), asked: bytes as u64, free, total });
             }
@@ -139,8 +139,8 @@ impl RawAlloc {
         }
         let mem = RawAlloc { ctx: ctx.clone(), ptr };
         // SAFETY: `ptr` holds `bytes` bytes just allocated in this (current) context.
-        unsafe { cu::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(driver("cuMemsetD8"))?;
-        ctx.synchronize().map_err(driver("zeroing the peer buffers"))?;
+        unsafe { cu::cuMemsetD8_v2(ptr, 0, bytes) }.result().map_err(Error::driver("cuMemsetD8"))?;
+        ctx.synchronize().map_err(Error::driver("zeroing the peer buffers"))?;
         Ok(mem)
     }
 }
@@ -220,10 +220,6 @@ impl std::fmt::Debug for PeerRank {
     }
 }
 
-fn driver(what: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
-    Error::driver(what)
-}
-
 /// Lets every device of `ctxs` access every other one's memory (a no-op between contexts of
 /// one device). Fails with [`Error::Unavailable`] when a pair has no peer access.
 fn enable_peer_access(ctxs: &[Arc<CudaContext>]) -> Result<()> {
@@ -237,7 +233,7 @@ fn enable_peer_access(ctxs: &[Arc<CudaContext>]) -> Result<()> {
             // contexts.
             unsafe { cu::cuDeviceCanAccessPeer(&mut can, a.cu_device(), b.cu_device()) }
                 .result()
-                .map_err(driver("cuDeviceCanAccessPeer"))?;
+                .map_err(Error::driver("cuDeviceCanAccessPeer"))?;
             if can == 0 {
                 return Err(Error::Unavailable(format!(
                     "GPU {} cannot access GPU {}'s memory directly (no peer access)",
@@ -245,7 +241,7 @@ fn enable_peer_access(ctxs: &[Arc<CudaContext>]) -> Result<()> {
                     b.ordinal()
                 )));
             }
-            a.bind_to_thread().map_err(driver("binding a context"))?;
+            a.bind_to_thread().map_err(Error::driver("binding a context"))?;
             // SAFETY: `a` is current on this thread and `b` is a live context of another device.
             match unsafe { cu::cuCtxEnablePeerAccess(b.cu_ctx(), 0) } {
                 // Already enabled (by NCCL, or an earlier group): what we want.
@@ -290,9 +286,9 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
     let mut ctl = unsafe {
         ctxs[0].alloc_pinned_with_flags::<u32>(2 * world, cu::CU_MEMHOSTALLOC_PORTABLE | cu::CU_MEMHOSTALLOC_DEVICEMAP)
     }
-    .map_err(driver("cuMemHostAlloc"))?;
-    ctl.as_mut_slice().map_err(driver("host slice"))?.fill(0);
-    let ctl_host = ctl.as_mut_ptr().map_err(driver("host pointer"))?;
+    .map_err(Error::driver("cuMemHostAlloc"))?;
+    ctl.as_mut_slice().map_err(Error::driver("host slice"))?.fill(0);
+    let ctl_host = ctl.as_mut_ptr().map_err(Error::driver("host pointer"))?;
     let mut recv_ptrs = [0u64; MAX_PEER_RANKS];
     for (r, m) in mem.iter().enumerate() {
         recv_ptrs[r] = m.ptr;
@@ -304,13 +300,13 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
         .ok_or(Error::MissingKernel(Kernel::PeerAllReduceF32.name()))?;
     let mut ranks = Vec::with_capacity(world);
     for (r, c) in ctxs.iter().enumerate() {
-        c.bind_to_thread().map_err(driver("binding a context"))?;
+        c.bind_to_thread().map_err(Error::driver("binding a context"))?;
         let mut dev = 0u64;
         // SAFETY: `ctl_host` is a live allocation made with DEVICEMAP | PORTABLE, so it has a
         // device address in every context; `dev` is a valid out-pointer; flags must be 0.
         unsafe { cu::cuMemHostGetDevicePointer_v2(&mut dev, ctl_host.cast(), 0) }
             .result()
-            .map_err(driver("cuMemHostGetDevicePointer"))?;
+            .map_err(Error::driver("cuMemHostGetDevicePointer"))?;
         let module = c
             .load_module(Ptx::from_src(*norm_ptx))
             .map_err(|e| Error::Driver { what: "loading PTX", msg: format!("module norm: {e}") })?;
@@ -415,7 +411,7 @@ impl PeerRank {
         // len values; the peer buffers hold `cap >= len` floats (so at least len values of T) per slot and live as long as this rank
         // (`Buffers`, freed only after every device synchronised); the kernel runs in this
         // rank's context (the stream was checked to be on its device, whose module it is).
-        unsafe { b.launch(cfg) }.map_err(driver("peer all-reduce"))?;
+        unsafe { b.launch(cfg) }.map_err(Error::driver("peer all-reduce"))?;
         Ok(())
     }
 }
