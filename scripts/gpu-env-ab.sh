@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B of environment settings on one GPU in one device call (bundle/ from `cargo xtask
-# gpu-bundle`): for each model, `ferrum bench` TP1 once per setting, the settings alternating,
+# gpu-bundle`): for each model, `ferrum bench` (TP1, or --tp $TP) once per setting, the settings alternating,
 # ROUNDS times (default 2). A setting is a space-separated list of VAR=VALUE, or "-" for none.
 #
 #   MODELS="llama3-8b" bash scripts/gpu-env-ab.sh - FERRUM_FUSED_NORMS_MAX_HIDDEN=8192
@@ -19,10 +19,10 @@ for m in ${MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
         for setting in "$@"; do
             vars=(); [ "$setting" != - ] && read -r -a vars <<<"$setting"
             f="$RET/ab-run.json"
-            env ${vars[@]+"${vars[@]}"} timeout 90 bundle/ferrum bench --device cuda --synthetic "$m" --dtype bf16 \
+            env ${vars[@]+"${vars[@]}"} timeout 90 bundle/ferrum bench --device cuda --tp "${TP:-1}" --synthetic "$m" --dtype bf16 \
                 --prompt-tokens "${PROMPT:-128}" --gen-tokens 256 --runs 3 --json >"$f" 2>/dev/null
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['model']} round {sys.argv[3]} [{sys.argv[2]}]: {r['decode_tok_per_s']:.0f} tok/s\")" \
-                "$f" "$setting" "$round" || echo "$m round $round [$setting]: FAILED"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['model']} tp{sys.argv[4]} round {sys.argv[3]} [{sys.argv[2]}]: {r['decode_tok_per_s']:.0f} tok/s\")" \
+                "$f" "$setting" "$round" "${TP:-1}" || echo "$m tp${TP:-1} round $round [$setting]: FAILED"
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r.update(setting=sys.argv[2], round=int(sys.argv[3])); print(json.dumps(r))" \
                 "$f" "$setting" "$round" >>"$RET/ab.jsonl" 2>/dev/null
             rm -f "$f"

@@ -19,38 +19,103 @@ __device__ void embed(float *x, const T *table, const uint32_t *tokens, int voca
     for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = to_f(src[i]);
 }
 
-// y[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w. One block per row.
+// The norms keep a row in registers: thread t owns elements t, t + B, t + 2B, ... (B =
+// blockDim.x) and loads all of them at once, so a row costs one memory round trip in and one
+// out (a loop that stores between its loads makes every iteration wait for the last: the
+// compiler cannot move a load above a store that may alias it). Rows longer than
+// NORM_PER * B take the loop. Both paths add the squares in the same order (t, t + B, ...;
+// then block_sum), so they round alike.
+#define NORM_PER 8
+
+// The norm weight of thread t's elements, loaded before the programmatic-launch wait: weights
+// are never written by a decode kernel (common.cuh), so the load may overlap the previous
+// kernel. Only when the row fits the registers (`hidden <= NORM_PER * blockDim.x`).
 template <typename T>
-__device__ void rmsnorm(float *y, const float *x, const T *w, int hidden, float eps) {
+__device__ __forceinline__ void norm_weight_early(float (&wf)[NORM_PER], const T *w, int hidden) {
+#pragma unroll
+    for (int k = 0; k < NORM_PER; ++k) {
+        const int i = threadIdx.x + k * blockDim.x;
+        wf[k] = i < hidden ? to_f(w[i]) : 0.0f;
+    }
+}
+
+// The register path's end, shared by both norms: y[base + t + kB] = v[k] * rsqrt(mean(x^2) +
+// eps) * wf[k], with ss this thread's sum of squares. Every thread of the block calls it.
+__device__ __forceinline__ void norm_store_regs(float *y, const float (&v)[NORM_PER], const float (&wf)[NORM_PER],
+                                                float ss, size_t base, int hidden, float eps, float *sh) {
+    const int B = blockDim.x, t = threadIdx.x;
+    ss = block_sum(ss, sh);
+    const float r = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int k = 0; k < NORM_PER; ++k)
+        if (t + k * B < hidden) y[base + t + k * B] = v[k] * r * wf[k];
+}
+
+// y[row] = x[row] * rsqrt(mean(x[row]^2) + eps) * w. One block per row. `wf`: the thread's
+// norm weights from norm_weight_early when the row fits the registers (unread otherwise).
+template <typename T>
+__device__ void rmsnorm(float *y, const float *x, const T *w, const float (&wf)[NORM_PER], int hidden,
+                        float eps) {
     __shared__ float sh[32];
     const size_t base = (size_t)blockIdx.x * hidden;
+    const int B = blockDim.x, t = threadIdx.x;
+    if (hidden <= NORM_PER * B) {
+        float v[NORM_PER];
+#pragma unroll
+        for (int k = 0; k < NORM_PER; ++k) v[k] = t + k * B < hidden ? x[base + t + k * B] : 0.0f;
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_PER; ++k)
+            if (t + k * B < hidden) ss += v[k] * v[k];
+        norm_store_regs(y, v, wf, ss, base, hidden, eps, sh);
+        return;
+    }
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    for (int i = t; i < hidden; i += B) {
         const float v = x[base + i];
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float r = rsqrtf(ss / (float)hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        y[base + i] = x[base + i] * r * to_f(w[i]);
+    for (int i = t; i < hidden; i += B) y[base + i] = x[base + i] * r * to_f(w[i]);
 }
 
-// x[row] += delta[row]; y[row] = rmsnorm(x[row]) * w. One block per row.
+// x[row] += delta[row]; y[row] = rmsnorm(x[row]) * w. One block per row; `wf` as for rmsnorm.
 template <typename T>
-__device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w, int hidden,
-                            float eps) {
+__device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w,
+                            const float (&wf)[NORM_PER], int hidden, float eps) {
     __shared__ float sh[32];
     const size_t base = (size_t)blockIdx.x * hidden;
+    const int B = blockDim.x, t = threadIdx.x;
+    if (hidden <= NORM_PER * B) {
+        float v[NORM_PER], d[NORM_PER];
+#pragma unroll
+        for (int k = 0; k < NORM_PER; ++k) {
+            const bool in = t + k * B < hidden;
+            v[k] = in ? x[base + t + k * B] : 0.0f;
+            d[k] = in ? delta[base + t + k * B] : 0.0f;
+        }
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < NORM_PER; ++k) {
+            if (t + k * B < hidden) {
+                v[k] = v[k] + d[k];
+                x[base + t + k * B] = v[k];
+                ss += v[k] * v[k];
+            }
+        }
+        norm_store_regs(y, v, wf, ss, base, hidden, eps, sh);
+        return;
+    }
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+    for (int i = t; i < hidden; i += B) {
         const float v = x[base + i] + delta[base + i];
         x[base + i] = v;
         ss += v * v;
     }
     ss = block_sum(ss, sh);
     const float r = rsqrtf(ss / (float)hidden + eps);
-    for (int i = threadIdx.x; i < hidden; i += blockDim.x)
-        y[base + i] = x[base + i] * r * to_f(w[i]);
+    for (int i = t; i < hidden; i += B) y[base + i] = x[base + i] * r * to_f(w[i]);
 }
 
 #define FERRUM_NORM(S, T)                                                                          \
@@ -61,13 +126,17 @@ __device__ void add_rmsnorm(float *x, const float *delta, float *y, const T *w, 
     }                                                                                              \
     extern "C" __global__ void ferrum_rmsnorm_##S(float *y, const float *x, const T *w,            \
                                                   int hidden, float eps) {                         \
+        float wf[NORM_PER];                                                                        \
+        if (hidden <= NORM_PER * (int)blockDim.x) norm_weight_early<T>(wf, w, hidden);             \
         FERRUM_PDL_ENTRY();                                                                        \
-        rmsnorm<T>(y, x, w, hidden, eps);                                                          \
+        rmsnorm<T>(y, x, w, wf, hidden, eps);                                                      \
     }                                                                                              \
     extern "C" __global__ void ferrum_add_rmsnorm_##S(float *x, const float *delta, float *y,      \
                                                       const T *w, int hidden, float eps) {         \
+        float wf[NORM_PER];                                                                        \
+        if (hidden <= NORM_PER * (int)blockDim.x) norm_weight_early<T>(wf, w, hidden);             \
         FERRUM_PDL_ENTRY();                                                                        \
-        add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
+        add_rmsnorm<T>(x, delta, y, w, wf, hidden, eps);                                           \
     }
 
 FERRUM_NORM(f16, f16)
@@ -92,9 +161,11 @@ FERRUM_PEER_ALL_REDUCE(bf16, bf16)
     extern "C" __global__ void ferrum_peer_add_rmsnorm_##S(PeerArgs a, float *x, float *delta,     \
                                                            float *y, const T *w, int hidden,       \
                                                            float eps) {                            \
+        float wf[NORM_PER];                                                                        \
+        if (hidden <= NORM_PER * (int)blockDim.x) norm_weight_early<T>(wf, w, hidden);             \
         FERRUM_PDL_ENTRY();                                                                        \
         if (!peer_all_reduce<float>(a, delta, delta, hidden)) return;                              \
-        add_rmsnorm<T>(x, delta, y, w, hidden, eps);                                               \
+        add_rmsnorm<T>(x, delta, y, w, wf, hidden, eps);                                           \
     }
 
 FERRUM_PEER_NORM(f16, f16)
