@@ -55,10 +55,15 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
 // u_k uniform in (0, 1) hashed from (seed, position, k), so the argmax is a
 // draw from softmax(x / T), reproducible from (seed, position). The position
 // is step[1] (the decode step buffer), or 0 when step is null.
+//
+// `base`: the vocabulary index of logits[0]. A tensor-parallel rank that computes only its
+// rows [base, base + n) of the LM head (the vocab split) reduces them with their vocabulary
+// indices, for the ties and for the Gumbel noise, so its candidate is the one the whole
+// vocabulary's argmax would pick among those rows.
 extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int chunk,
                                                  float inv_temp, unsigned long long seed,
                                                  const uint32_t *step, float *part_v,
-                                                 uint32_t *part_i) {
+                                                 uint32_t *part_i, unsigned int base) {
     FERRUM_PDL_ENTRY();
     const int start = blockIdx.x * chunk, end = min(start + chunk, n);
     const uint64_t pos = step ? (uint64_t)step[1] : 0ull;
@@ -67,16 +72,17 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
     uint32_t i = 0xffffffffu;
     for (int k = start + threadIdx.x; k < end; k += blockDim.x) {
         float x = logits[k];
+        const uint32_t g = base + (uint32_t)k;  // the vocabulary index (the host checks it fits)
         if (inv_temp > 0.0f) {
-            const uint64_t h = splitmix64(key ^ (uint64_t)k);
+            const uint64_t h = splitmix64(key ^ (uint64_t)g);
             // 23 bits: (k + 0.5) / 2^23 is exact in f32 for k < 2^23, so u lies in
             // [2^-24, 1 - 2^-24] and never rounds to 1 (which would make -log(-log u) +inf).
             const float u = ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
             x = x * inv_temp - logf(-logf(u));
         }
-        if (!isnan(x) && better(x, (uint32_t)k, v, i)) {
+        if (!isnan(x) && better(x, g, v, i)) {
             v = x;
-            i = (uint32_t)k;
+            i = g;
         }
     }
     block_argmax(v, i);
@@ -86,17 +92,37 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
     }
 }
 
-// Pass 2: one block over the n_parts partials; writes the index to out[0] (0
-// if every logit is NaN).
+// The chosen token to out[0] and, for device-fed decoding (step non-null), to
+// the next step's input. With pos = step[1] (the position just decoded), the
+// token is the one at position pos + 1: it goes to history[pos + 1] (history
+// holds capacity + 1 entries) and step[0]; step[1] advances to pos + 1 while
+// that is below capacity (it never points past the KV cache, whatever the host
+// does). One thread.
+__device__ __forceinline__ void emit_token(uint32_t i, uint32_t *out, uint32_t *step,
+                                           uint32_t *history, int capacity) {
+    const uint32_t tok = (i == 0xffffffffu) ? 0u : i;
+    out[0] = tok;
+    if (step) {
+        const uint32_t next = step[1] + 1u;
+        if (next <= (uint32_t)capacity) history[next] = tok;
+        if (next < (uint32_t)capacity) step[1] = next;
+        step[0] = tok;
+    }
+}
+
+// Pass 2: one block over the n_parts partials; writes the index (0 if every
+// logit is NaN) through emit_token.
 //
-// Device-fed decoding (step non-null): the chosen token also becomes the next
-// step's input. With pos = step[1] (the position just decoded), the token is
-// the one at position pos + 1: it goes to history[pos + 1] (history holds
-// capacity + 1 entries) and step[0]; step[1] advances to pos + 1 while that is
-// below capacity (it never points past the KV cache, whatever the host does).
+// Vocab split (xchg non-null): this rank's best (value, index) goes to its
+// slot of the exchange buffer instead, xchg[2 rank] = value and
+// xchg[2 rank + 1] = index as a float (exact: the host checks the vocabulary
+// is below 2^24; -1 for none), and every other slot is zeroed, so that a sum
+// over the ranks (the TP all-reduce, adding exact zeros) leaves every rank's
+// candidate in every rank's buffer; ferrum_argmax_pick then chooses.
 extern "C" __global__ void ferrum_argmax_final(const float *part_v, const uint32_t *part_i,
                                                int n_parts, uint32_t *out, uint32_t *step,
-                                               uint32_t *history, int capacity) {
+                                               uint32_t *history, int capacity, float *xchg,
+                                               int rank, int world) {
     FERRUM_PDL_ENTRY();
     float v = FERRUM_NEG_INF;
     uint32_t i = 0xffffffffu;
@@ -108,15 +134,38 @@ extern "C" __global__ void ferrum_argmax_final(const float *part_v, const uint32
     }
     block_argmax(v, i);
     if (threadIdx.x == 0) {
-        const uint32_t tok = (i == 0xffffffffu) ? 0u : i;
-        out[0] = tok;
-        if (step) {
-            const uint32_t next = step[1] + 1u;
-            if (next <= (uint32_t)capacity) history[next] = tok;
-            if (next < (uint32_t)capacity) step[1] = next;
-            step[0] = tok;
+        if (xchg) {
+            for (int s = 0; s < world; ++s) {
+                const bool mine = s == rank;
+                xchg[2 * s] = mine && i != 0xffffffffu ? v : 0.0f;
+                xchg[2 * s + 1] = mine && i != 0xffffffffu ? (float)i : (mine ? -1.0f : 0.0f);
+            }
+        } else {
+            emit_token(i, out, step, history, capacity);
         }
     }
+}
+
+// The vocab split's last step: the best of the world ranks' candidates in the
+// summed exchange buffer (ferrum_argmax_final), by the same rule as the
+// argmax (larger value, then smaller index; a slot with index -1 has none), so
+// the token is the one the whole vocabulary's argmax picks; then emit_token.
+// Every rank holds the same buffer, so every rank picks the same token.
+extern "C" __global__ void ferrum_argmax_pick(const float *xchg, int world, uint32_t *out,
+                                              uint32_t *step, uint32_t *history, int capacity) {
+    FERRUM_PDL_ENTRY();
+    if (threadIdx.x != 0) return;
+    float v = FERRUM_NEG_INF;
+    uint32_t i = 0xffffffffu;
+    for (int s = 0; s < world; ++s) {
+        const float fi = xchg[2 * s + 1];
+        if (fi < 0.0f) continue;
+        if (better(xchg[2 * s], (uint32_t)fi, v, i)) {
+            v = xchg[2 * s];
+            i = (uint32_t)fi;
+        }
+    }
+    emit_token(i, out, step, history, capacity);
 }
 
 // A [rows x cols] slice, at (row0, col0), of a [* x full_cols] matrix whose

@@ -114,6 +114,8 @@ kernels! {
     ArgmaxPartial => "ferrum_argmax_partial" in "misc",
     /// Argmax, pass 2 (final).
     ArgmaxFinal => "ferrum_argmax_final" in "misc",
+    /// Argmax under a TP vocab split: the best of the ranks' candidates.
+    ArgmaxPick => "ferrum_argmax_pick" in "misc",
     /// Hash-based uniform init (synthetic weights).
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",

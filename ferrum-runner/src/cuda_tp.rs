@@ -155,6 +155,44 @@ impl AllReduce {
     }
 }
 
+/// How an in-process TP group is built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TpOptions {
+    /// Which all-reduce sums the decode steps.
+    pub all_reduce: AllReduce,
+    /// Device-fed steps split the LM head by vocabulary rows over the ranks
+    /// (`CudaDecodeRunner::set_vocab_split`): each rank reads its share of the head instead of
+    /// the whole, and the ranks exchange one candidate each.
+    pub vocab_split: bool,
+}
+
+impl Default for TpOptions {
+    fn default() -> Self {
+        Self { all_reduce: AllReduce::Auto, vocab_split: true }
+    }
+}
+
+impl TpOptions {
+    /// `FERRUM_ALLREDUCE` ([`AllReduce::from_env`]) and `FERRUM_TP_VOCAB_SPLIT` (`1`, the
+    /// default, or `0`).
+    pub fn from_env() -> Result<Self> {
+        Ok(Self { all_reduce: AllReduce::from_env()?, vocab_split: vocab_split_from_env()? })
+    }
+}
+
+/// `FERRUM_TP_VOCAB_SPLIT`: `1` (unset: on) or `0`.
+pub fn vocab_split_from_env() -> Result<bool> {
+    parse_vocab_split(std::env::var("FERRUM_TP_VOCAB_SPLIT").ok().as_deref())
+}
+
+fn parse_vocab_split(v: Option<&str>) -> Result<bool> {
+    match v.map(str::trim) {
+        None | Some("1") => Ok(true),
+        Some("0") => Ok(false),
+        Some(v) => Err(Error::InvalidInput(format!("FERRUM_TP_VOCAB_SPLIT={v:?}: expected 0 or 1"))),
+    }
+}
+
 /// The peer group of `ordinals` for messages of `hidden` floats, as `mode` asks.
 fn peer_ranks(mode: AllReduce, ordinals: &[usize], hidden: usize) -> Result<Option<Vec<PeerRank>>> {
     if mode == AllReduce::Nccl || ordinals.len() < 2 {
@@ -240,7 +278,7 @@ impl CudaTpBackend {
         ordinals: &[usize],
         vocab: usize,
         hidden: usize,
-        all_reduce: AllReduce,
+        opts: TpOptions,
         label: String,
         make: F,
     ) -> Result<Self>
@@ -249,7 +287,7 @@ impl CudaTpBackend {
     {
         let tp = ordinals.len();
         let ranks = NcclRank::init_all(ordinals).map_err(nccl_error)?;
-        let peers = peer_ranks(all_reduce, ordinals, hidden)?;
+        let peers = peer_ranks(opts.all_reduce, ordinals, hidden)?;
         let aborts = Aborts {
             nccl: ranks.iter().map(NcclRank::abort_handle).collect(),
             peer: peers.iter().flatten().map(PeerRank::handle).collect(),
@@ -275,6 +313,9 @@ impl CudaTpBackend {
             match peer {
                 Some(p) => runner.set_reducer(Box::new(PeerReducer::new(p, reducer))),
                 None => runner.set_reducer(reducer),
+            }
+            if opts.vocab_split {
+                runner.set_vocab_split(r, tp).map_err(cuda_error)?;
             }
             let mut rank = CudaRank::new(runner, r);
             match peer_handle.clone() {
@@ -461,7 +502,7 @@ pub fn group(
         Arc::new(shards.into_iter().map(|s| Mutex::new(Some(s))).collect());
     let label = group_label(&ords, dtype);
     let (vocab, hidden) = (weights.config.vocab_size, weights.config.hidden_size);
-    CudaTpBackend::new(&ords, vocab, hidden, AllReduce::from_env()?, label, move |r, ordinal| {
+    CudaTpBackend::new(&ords, vocab, hidden, TpOptions::from_env()?, label, move |r, ordinal| {
         let w = shards[r].lock().take().ok_or_else(|| Error::Tp("a rank was built twice".into()))?;
         build_runner(&w, dtype, ordinal, &mut |_, _| {})
     })
@@ -498,11 +539,24 @@ pub fn synthetic_group_with(
     seed: u64,
     all_reduce: AllReduce,
 ) -> Result<CudaTpBackend> {
+    let opts = TpOptions { all_reduce, vocab_split: vocab_split_from_env()? };
+    synthetic_group_opts(cfg, first, tp, dtype, seed, opts)
+}
+
+/// [`synthetic_group`] with every group option chosen.
+pub fn synthetic_group_opts(
+    cfg: &ModelConfig,
+    first: usize,
+    tp: usize,
+    dtype: ferrum_cuda::DType,
+    seed: u64,
+    opts: TpOptions,
+) -> Result<CudaTpBackend> {
     let ords = ordinals(first, tp)?;
     let ranges = shard_ranges(cfg, tp)?;
     let full = spec_of(cfg);
     let label = group_label(&ords, dtype);
-    CudaTpBackend::new(&ords, cfg.vocab_size, cfg.hidden_size, all_reduce, label, move |r, ordinal| {
+    CudaTpBackend::new(&ords, cfg.vocab_size, cfg.hidden_size, opts, label, move |r, ordinal| {
         CudaDecodeRunner::random_shard(&full, &ranges[r], dtype, seed, ordinal).map_err(cuda_error)
     })
 }
@@ -554,6 +608,9 @@ pub fn open_process_rank(
         warm_up(&runner, &nccl)?;
     }
     runner.set_reducer(Box::new(NcclReducer::new(nccl.clone())));
+    if vocab_split_from_env()? {
+        runner.set_vocab_split(dist.rank, dist.world_size).map_err(cuda_error)?;
+    }
     let label = format!("cuda:{gpu} {} rank {}/{}", dtype.name(), dist.rank, dist.world_size);
     let mut rank = CudaRank::new(runner, dist.rank);
     rank.set_comm(nccl);
@@ -562,7 +619,19 @@ pub fn open_process_rank(
 
 #[cfg(test)]
 mod tests {
-    use super::AllReduce;
+    use super::{parse_vocab_split, AllReduce};
+
+    /// `FERRUM_TP_VOCAB_SPLIT`: 0 and 1 (and unset: on) parse; anything else names the variable.
+    #[test]
+    fn vocab_split_knob() {
+        assert!(parse_vocab_split(None).unwrap());
+        assert!(parse_vocab_split(Some(" 1 ")).unwrap());
+        assert!(!parse_vocab_split(Some("0")).unwrap());
+        for bad in ["yes", "2", ""] {
+            let e = parse_vocab_split(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_TP_VOCAB_SPLIT"), "{bad:?}: {e}");
+        }
+    }
 
     /// `FERRUM_ALLREDUCE`: the three modes (and unset) parse; anything else is an error that
     /// names the variable and the accepted values. One test, as it sets the process's

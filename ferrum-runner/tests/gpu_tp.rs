@@ -16,7 +16,9 @@ use ferrum_runner::backend::{DecodeBackend, DeviceSampling};
 use ferrum_runner::config::{Arch, ModelConfig};
 use ferrum_runner::cuda_backend::{build_runner, CudaBackend};
 use ferrum_runner::cuda_rank::{Fault, FaultKind};
-use ferrum_runner::cuda_tp::{open_group, synthetic_group, synthetic_group_with, AllReduce};
+use ferrum_runner::cuda_tp::{
+    open_group, synthetic_group, synthetic_group_opts, synthetic_group_with, AllReduce, TpOptions,
+};
 use ferrum_runner::generate::{generate, GenerateOptions};
 use ferrum_runner::sampling::SamplingParams;
 use ferrum_runner::synthetic::{random_config, random_weights};
@@ -407,6 +409,54 @@ fn tp2_peer_all_reduce_is_bit_identical_to_nccl() {
             println!("{arch:?} {dtype:?}: peer all-reduce bit-identical to NCCL (13 logits, 48 graph tokens)");
         }
     }
+}
+
+/// The vocab split (each rank computes its share of the LM head rows, the ranks exchange one
+/// candidate each) against the whole head on every rank: the device loop's tokens must be
+/// identical, greedy and sampled (the Gumbel noise is hashed from vocabulary indices, so a
+/// split that used its local indices would draw other tokens), every architecture, tied and
+/// untied heads, an even and an odd vocabulary (ranks of unequal shares), both all-reduces.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_vocab_split_picks_the_whole_vocabulary_token() {
+    init();
+    for arch in ARCHS {
+        for (tied, vocab) in [(true, 1000), (false, 1001)] {
+            let mut cfg = config(arch, tied, 3);
+            cfg.vocab_size = vocab;
+            let p = prompt(30, vocab, 3);
+            let all_reduce = if vocab % 2 == 0 { AllReduce::Auto } else { AllReduce::Nccl };
+            let mut split =
+                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: true }).unwrap();
+            let mut whole =
+                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: false }).unwrap();
+            let t = DeviceSampling::Temperature { temperature: 1.0, seed: 5 };
+            let (gs, gw) = (
+                device_tokens(&mut split, &p, 48, 128, DeviceSampling::Greedy),
+                device_tokens(&mut whole, &p, 48, 128, DeviceSampling::Greedy),
+            );
+            assert_eq!(gs, gw, "{arch:?} tied={tied} vocab {vocab}: greedy tokens (split vs whole head)");
+            let (ss, sw) = (device_tokens(&mut split, &p, 48, 128, t), device_tokens(&mut whole, &p, 48, 128, t));
+            assert_eq!(ss, sw, "{arch:?} tied={tied} vocab {vocab}: sampled tokens (split vs whole head)");
+            assert_ne!(ss, gs, "{arch:?}: sampling at T=1 on near-flat logits is not greedy");
+            // Both halves of the vocabulary are reachable: a split that only ever answered
+            // from one rank's rows would fail here.
+            let half = vocab.div_ceil(2) as u32;
+            assert!(ss.iter().any(|&t| t < half) && ss.iter().any(|&t| t >= half), "{arch:?}: sampled {ss:?}");
+            println!("{arch:?} tied={tied} vocab {vocab} ({all_reduce:?}): vocab split = whole head (48 greedy, 48 sampled tokens)");
+        }
+    }
+    // Bad splits are refused.
+    let cfg = config(Arch::Llama, false, 2);
+    let mut r = build_runner(&weights(&cfg, 1), BF16, 0, &mut |_, _| {}).unwrap();
+    for (rank, world) in [(2, 2), (0, 0), (0, cfg.vocab_size + 1)] {
+        let e = r.set_vocab_split(rank, world).unwrap_err().to_string();
+        assert!(e.contains("vocab split"), "{rank}/{world}: {e}");
+    }
+    r.set_vocab_split(0, 1).unwrap();
+    assert_eq!(r.vocab_rows(), (0, cfg.vocab_size));
+    r.set_vocab_split(1, 2).unwrap();
+    assert_eq!(r.vocab_rows(), (cfg.vocab_size / 2, cfg.vocab_size - cfg.vocab_size / 2));
 }
 
 #[test]

@@ -111,6 +111,29 @@ pub(crate) struct Feed<'a> {
     pub(crate) capacity: usize,
 }
 
+/// A feed's kernel arguments: (step, history, capacity), nulls without one.
+fn feed_args(feed: &Option<Feed<'_>>) -> Result<(u64, u64, i32)> {
+    Ok(match feed {
+        Some(f) => (
+            f.step.need(2, "argmax step")?,
+            f.history.need(f.capacity + 1, "argmax history")?,
+            i32_of(f.capacity, "capacity")?,
+        ),
+        None => (0, 0, 0),
+    })
+}
+
+/// A TP rank's share of the argmax under a vocab split: its logits are the LM head rows
+/// `[base, base + n)`, and its best candidate goes to slot `rank` of the exchange buffer `xchg`
+/// (`2 * world` floats; misc.cu's `ferrum_argmax_final`) instead of to the token.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ArgmaxSplit<'a> {
+    pub(crate) base: usize,
+    pub(crate) xchg: Region<'a, f32>,
+    pub(crate) rank: usize,
+    pub(crate) world: usize,
+}
+
 /// Most arguments of a ferrum kernel (checked against the PTX by `cargo xtask ptx --check`).
 const MAX_ARGS: usize = crate::kernel_list::MAX_KERNEL_ARGS;
 
@@ -911,6 +934,24 @@ impl Kernels {
         cols: usize,
         io: GemvIo<'_>,
     ) -> Result<()> {
+        self.gemv_as(y, w, x, rows, cols, io, rows)
+    }
+
+    /// [`gemv_io`](Self::gemv_io) of some rows of a taller matrix, launched as the matrix's
+    /// own GEMV (`as_rows` rows, `cols` columns) is: the same variant and split-K factor, so
+    /// every row's dot product rounds exactly as in the whole product (a TP rank's LM head
+    /// rows under the vocab split).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv_as(
+        &self,
+        y: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        rows: usize,
+        cols: usize,
+        io: GemvIo<'_>,
+        as_rows: usize,
+    ) -> Result<()> {
         let py = y.need(rows, "gemv y")?;
         let pw = w.need(rows * cols, "gemv W")?;
         let px = x.need(cols, "gemv x")?;
@@ -919,7 +960,7 @@ impl Kernels {
             GemvIo::Plain | GemvIo::AddTo => (0u64, 0.0f32),
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        let v = self.gemv_table.get(&(rows, cols, false)).copied().unwrap_or_default();
+        let v = self.gemv_table.get(&(as_rows, cols, false)).copied().unwrap_or_default();
         let k = match (v.rows4, io) {
             (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
             (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
@@ -1038,6 +1079,7 @@ impl Kernels {
     /// instead, hashed from (seed, the position in `feed.step[1]`). With `feed`, the token also
     /// becomes the next device-fed step's input (see `ferrum_argmax_final`).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn argmax(
         &self,
         logits: Region<'_, f32>,
@@ -1047,6 +1089,7 @@ impl Kernels {
         part_i: Region<'_, u32>,
         out: Region<'_, u32>,
         feed: Option<Feed<'_>>,
+        split: Option<ArgmaxSplit<'_>>,
     ) -> Result<()> {
         let parts = n.div_ceil(ARGMAX_CHUNK);
         let pl = logits.need(n, "argmax logits")?;
@@ -1055,25 +1098,66 @@ impl Kernels {
         let po = out.need(1, "argmax out")?;
         let (nn, chunk, np) = (i32_of(n, "n")?, ARGMAX_CHUNK as i32, i32_of(parts, "parts")?);
         let (inv_temp, seed) = sample.unwrap_or((0.0, 0));
-        let (pstep, phist, cap) = match &feed {
-            Some(f) => (
-                f.step.need(2, "argmax step")?,
-                f.history.need(f.capacity + 1, "argmax history")?,
-                i32_of(f.capacity, "capacity")?,
-            ),
-            None => (0, 0, 0),
+        let (pstep, phist, cap) = feed_args(&feed)?;
+        let (base, px, rank, world) = match &split {
+            Some(sp) => {
+                // Indices travel as floats through the exchange (exact below 2^24) and as
+                // u32 in the kernels.
+                if sp.base + n > 1 << 24 || sp.rank >= sp.world {
+                    return Err(Error::InvalidArgument(format!(
+                        "argmax split: rows {}..{} of rank {} of {} (indices must stay below 2^24)",
+                        sp.base,
+                        sp.base + n,
+                        sp.rank,
+                        sp.world
+                    )));
+                }
+                (
+                    sp.base as u32,
+                    sp.xchg.need(2 * sp.world, "argmax exchange")?,
+                    i32_of(sp.rank, "rank")?,
+                    i32_of(sp.world, "world")?,
+                )
+            }
+            None => (0u32, 0u64, 0i32, 0i32),
         };
         let mut b = self.builder(Kernel::ArgmaxPartial);
-        b.arg(&pl).arg(&nn).arg(&chunk).arg(&inv_temp).arg(&seed).arg(&pstep).arg(&pv).arg(&pi);
+        b.arg(&pl).arg(&nn).arg(&chunk).arg(&inv_temp).arg(&seed).arg(&pstep).arg(&pv).arg(&pi).arg(&base);
         // SAFETY: block b reads logits[b*chunk .. min((b+1)*chunk, n)), step[1] when step is
-        // non-null, and writes part[b] for b < parts = ceil(n/chunk); extents checked above.
+        // non-null, and writes part[b] for b < parts = ceil(n/chunk); extents checked above;
+        // base + n <= 2^24 (checked), so the vocabulary indices fit a u32.
         unsafe { b.launch(cfg((grid1(parts)?, 1, 1), 256)) }.map_err(Error::driver("argmax_partial"))?;
         let mut b = self.builder(Kernel::ArgmaxFinal);
-        b.arg(&pv).arg(&pi).arg(&np).arg(&po).arg(&pstep).arg(&phist).arg(&cap);
-        // SAFETY: one block reads part[0 .. parts) and writes out[0]; with a feed it reads and
-        // writes step[0..2] and writes history[i] only for i <= capacity (the kernel checks),
-        // and history holds capacity + 1 elements; extents checked above.
+        b.arg(&pv).arg(&pi).arg(&np).arg(&po).arg(&pstep).arg(&phist).arg(&cap).arg(&px).arg(&rank).arg(&world);
+        // SAFETY: one block reads part[0 .. parts); with an exchange buffer (split) it writes
+        // xchg[0 .. 2 world) only (2 world elements checked, rank < world); otherwise it writes
+        // out[0], and with a feed it reads and writes step[0..2] and writes history[i] only for
+        // i <= capacity (the kernel checks), and history holds capacity + 1 elements; extents
+        // checked above.
         unsafe { b.launch(cfg((1, 1, 1), 256)) }.map_err(Error::driver("argmax_final"))?;
+        Ok(())
+    }
+
+    /// The vocab split's last step (after the exchange buffer was summed over the ranks): the
+    /// best of the `world` candidates in `xchg` becomes the token, written as
+    /// [`argmax`](Self::argmax) writes it.
+    pub(crate) fn argmax_pick(
+        &self,
+        xchg: Region<'_, f32>,
+        world: usize,
+        out: Region<'_, u32>,
+        feed: Option<Feed<'_>>,
+    ) -> Result<()> {
+        let px = xchg.need(2 * world, "argmax exchange")?;
+        let po = out.need(1, "argmax out")?;
+        let (pstep, phist, cap) = feed_args(&feed)?;
+        let w = i32_of(world, "world")?;
+        let mut b = self.builder(Kernel::ArgmaxPick);
+        b.arg(&px).arg(&w).arg(&po).arg(&pstep).arg(&phist).arg(&cap);
+        // SAFETY: one thread reads xchg[0 .. 2 world) and writes out[0]; with a feed, step and
+        // history as in `argmax` (history[i] only for i <= capacity, capacity + 1 elements);
+        // extents checked above; signature (const f32*, int, u32*, u32*, u32*, int) matches.
+        unsafe { b.launch(cfg((1, 1, 1), 32)) }.map_err(Error::driver("argmax_pick"))?;
         Ok(())
     }
 
@@ -1088,7 +1172,7 @@ impl Kernels {
         let (pv, pi, po) = (part_v.need(1, "part_v")?, part_i.need(1, "part_i")?, out.need(1, "out")?);
         let (one, null, zero) = (1i32, 0u64, 0i32);
         let mut b = self.builder(Kernel::ArgmaxFinal);
-        b.arg(&pv).arg(&pi).arg(&one).arg(&po).arg(&null).arg(&null).arg(&zero);
+        b.arg(&pv).arg(&pi).arg(&one).arg(&po).arg(&null).arg(&null).arg(&zero).arg(&null).arg(&zero).arg(&zero);
         // SAFETY: the driver rejects the launch (a block of 2048 > 1024 threads) before any
         // thread runs. Even if it ran, the arguments are valid: it would read part[0] and write
         // out[0] (extents checked above), with a null step buffer (no device-fed update).

@@ -12,7 +12,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
 };
-use launch::{region, whole, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
+use launch::{region, whole, ArgmaxSplit, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -318,6 +318,19 @@ pub struct CudaDecodeRunner {
     reducer: Box<dyn Reducer>,
     projection: Projection,
     sms: usize,
+    /// The TP vocab split of device-fed steps ([`CudaDecodeRunner::set_vocab_split`]).
+    head_split: Option<HeadSplit>,
+}
+
+/// A TP rank's share of the LM head under the vocab split: it computes logits for the rows
+/// `rows` only, and the ranks agree on the token through `xchg` (`2 * world` floats: each
+/// rank's best value and index, summed over the ranks by the reducer).
+#[derive(Debug)]
+struct HeadSplit {
+    rank: usize,
+    world: usize,
+    rows: std::ops::Range<usize>,
+    xchg: CudaSlice<f32>,
 }
 
 impl std::fmt::Debug for CudaDecodeRunner {
@@ -677,6 +690,7 @@ impl CudaDecodeRunner {
             reducer: Box::new(NoReduce),
             projection: Projection::default(),
             sms,
+            head_split: None,
         })
     }
 
@@ -701,6 +715,50 @@ impl CudaDecodeRunner {
         self.reducer = reducer;
         self.generation += 1;
     }
+    /// Splits the LM head of device-fed steps over `world` tensor-parallel ranks, this runner
+    /// being rank `rank` (`world` 1: no split, the default). Each rank then computes the logits
+    /// of its own contiguous share of the vocabulary (ranks below `vocab % world` take one row
+    /// more) and its best candidate by the argmax's rule, with vocabulary indices; the
+    /// candidates are exchanged through the reducer's all-reduce (two floats per rank) and every
+    /// rank picks the same token: the one the whole vocabulary's argmax (or Gumbel-max sample)
+    /// chooses, because each row's dot product is launched as in the whole LM head GEMV
+    /// (the same rounding) and the noise is hashed from vocabulary indices. The weights stay
+    /// whole (the rows are a region of them; a tied head is a region of the embedding).
+    ///
+    /// Applies to [`enqueue_device_step`](Self::enqueue_device_step) with
+    /// [`Projection::Gemv`] only; host-fed steps and prefills still compute every logit, so
+    /// [`logits`](Self::logits) is whole after them (after a split device-fed step it holds
+    /// this rank's rows first). Every rank of the reducer's group must make the same call
+    /// (the exchange is a collective). Errors: `rank >= world`, `world` 0, or a vocabulary of
+    /// 2^24 or more (indices cross the exchange as floats).
+    pub fn set_vocab_split(&mut self, rank: usize, world: usize) -> Result<()> {
+        let v = self.spec.vocab;
+        if world == 0 || rank >= world || v >= 1 << 24 || world > v {
+            return Err(Error::InvalidArgument(format!(
+                "vocab split: rank {rank} of {world} over a vocabulary of {v} (needs rank < world <= vocab < 2^24)"
+            )));
+        }
+        self.generation += 1;
+        if world == 1 {
+            self.head_split = None;
+            return Ok(());
+        }
+        let share = |r: usize| v / world + usize::from(r < v % world);
+        let start: usize = (0..rank).map(share).sum();
+        let xchg = alloc::<f32>(&self.ctx, &self.k.stream, 2 * world, "argmax exchange")?;
+        self.head_split = Some(HeadSplit { rank, world, rows: start..start + share(rank), xchg });
+        Ok(())
+    }
+
+    /// The LM head rows this runner computes in a device-fed step: `(start, len)` of its vocab
+    /// split, or the whole vocabulary.
+    pub fn vocab_rows(&self) -> (usize, usize) {
+        match &self.head_split {
+            Some(sp) if self.projection == Projection::Gemv => (sp.rows.start, sp.rows.len()),
+            _ => (0, self.spec.vocab),
+        }
+    }
+
     /// Chooses how batch-1 projections run (default: [`Projection::Gemv`]).
     pub fn set_projection(&mut self, projection: Projection) {
         self.projection = projection;
@@ -772,8 +830,9 @@ impl CudaDecodeRunner {
 
     /// The decode forward pass of one token of `seq`, reading the token and position from the
     /// decode step buffer (written by the caller, or by the previous device-fed step). The
-    /// caller updates the sequence's length.
-    fn forward_one(&mut self, seq: u64) -> Result<()> {
+    /// caller updates the sequence's length. Logits for the LM head rows `head` (`(start, len)`:
+    /// all of them, or a vocab split's share), from the start of the logits buffer.
+    fn forward_one(&mut self, seq: u64, head: (usize, usize)) -> Result<()> {
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         forward(
             &self.k,
@@ -787,6 +846,7 @@ impl CudaDecodeRunner {
             self.projection,
             self.reducer.as_mut(),
             &mut self.logits.buf,
+            head,
         )
     }
 
@@ -851,6 +911,7 @@ impl CudaDecodeRunner {
                 self.projection,
                 self.reducer.as_mut(),
                 &mut self.logits.buf,
+                (0, self.spec.vocab),
             )?;
             s.len += chunk.len();
             // `step` is reused next chunk: wait for the copy (and surface kernel errors).
@@ -868,7 +929,7 @@ impl CudaDecodeRunner {
         let step = [token, position as u32];
         self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
         self.fed = None;
-        self.forward_one(seq)?;
+        self.forward_one(seq, (0, self.spec.vocab))?;
         self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?.len = position + 1;
         Ok(&self.logits)
     }
@@ -979,6 +1040,7 @@ impl CudaDecodeRunner {
             whole(&self.argmax_i, st)?,
             whole(&self.argmax_out, st)?,
             None,
+            None,
         )?;
         let mut out = [0u32];
         st.memcpy_dtoh(&self.argmax_out, &mut out).map_err(Error::driver("copying argmax"))?;
@@ -1025,19 +1087,30 @@ impl CudaDecodeRunner {
     pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
         self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
-        self.forward_one(seq)?;
+        let (r0, rn) = self.vocab_rows();
+        self.forward_one(seq, (r0, rn))?;
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
         let st = &self.k.stream;
-        let feed = Feed { step: whole(&self.decode.step, st)?, history: whole(&s.history, st)?, capacity: s.capacity };
-        self.k.argmax(
-            whole(&self.logits.buf, st)?,
-            self.spec.vocab,
-            sample,
+        let feed = || -> Result<Feed<'_>> {
+            Ok(Feed { step: whole(&self.decode.step, st)?, history: whole(&s.history, st)?, capacity: s.capacity })
+        };
+        let (logits, pv, pi, out) = (
+            region(&self.logits.buf, st, 0, rn)?,
             whole(&self.argmax_v, st)?,
             whole(&self.argmax_i, st)?,
             whole(&self.argmax_out, st)?,
-            Some(feed),
-        )
+        );
+        let Some(sp) = self.head_split.as_mut().filter(|_| rn < self.spec.vocab) else {
+            return self.k.argmax(logits, rn, sample, pv, pi, out, Some(feed()?), None);
+        };
+        // Vocab split: this rank's candidate into its slot, the slots summed over the ranks,
+        // then every rank picks the same token from them.
+        let split = ArgmaxSplit { base: r0, xchg: whole(&sp.xchg, st)?, rank: sp.rank, world: sp.world };
+        // The feed goes along: the sampling noise is keyed by its position (step[1]); the final
+        // pass writes only the exchange buffer, the pick updates the feed.
+        self.k.argmax(logits, rn, sample, pv, pi, out, Some(feed()?), Some(split))?;
+        self.reducer.all_reduce(ReduceBuf { data: &mut sp.xchg, len: 2 * sp.world, stream: st })?;
+        self.k.argmax_pick(whole(&sp.xchg, st)?, sp.world, whole(&self.argmax_out, st)?, Some(feed()?))
     }
 
     /// Checks that `seq` owns the decode step buffer (its last
@@ -1345,6 +1418,7 @@ fn forward(
     p: Projection,
     reducer: &mut dyn Reducer,
     logits: &mut CudaSlice<f32>,
+    (r0, rn): (usize, usize),
 ) -> Result<()> {
     if n == 0 || n > a.cap {
         return Err(Error::Internal(format!("forward of {n} tokens with buffers for {}", a.cap)));
@@ -1581,12 +1655,18 @@ fn forward(
         };
         reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), next_norm, n, h, eps)?;
     }
+    // The LM head's rows r0 .. r0 + rn (all of them, or a vocab split's share: see
+    // `set_vocab_split`), launched as the whole head's GEMV so each row rounds alike.
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
+    let (logits, head) = (region(logits, st, 0, rn)?, region(head, st, r0 * h, rn * h)?);
     if fused_norms {
         // logits = W_head (RMSNorm(x) * final_norm)
         let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
-        return k.gemv_io(whole(logits, st)?, whole(head, st)?, region(&a.x, st, 0, h)?, s.vocab, h, norm);
+        return k.gemv_as(logits, head, region(&a.x, st, 0, h)?, rn, h, norm, s.vocab);
     }
     let last = region(&a.y, st, (n - 1) * h, h)?;
-    project(k, p, whole(logits, st)?, whole(head, st)?, last, region(&a.xh, st, 0, h)?, s.vocab, h, 1)
+    if p == Projection::Gemv {
+        return k.gemv_as(logits, head, last, rn, h, GemvIo::Plain, s.vocab);
+    }
+    project(k, p, logits, head, last, region(&a.xh, st, 0, h)?, rn, h, 1)
 }
