@@ -137,6 +137,11 @@ impl CudaRank {
         self.peer = Some(peer);
     }
 
+    /// The peer group set by [`set_peer`](Self::set_peer), if any (to abort it from outside).
+    pub fn peer(&self) -> Option<&PeerHandle> {
+        self.peer.as_ref()
+    }
+
     /// `Ok` unless this rank's collectives failed: its communicator was aborted (a GPU wait
     /// that returned after an abort leaves garbage) or a peer all-reduce gave up. Call it once
     /// the rank's stream was waited for.

@@ -78,8 +78,6 @@ fn warm_up(runner: &CudaDecodeRunner, nccl: &NcclRank) -> Result<()> {
 pub struct CudaTpWorker {
     rank: CudaRank,
     nccl: Arc<NcclRank>,
-    /// This rank's peer all-reduce (in-process groups with peer access).
-    peer: Option<PeerHandle>,
     /// KV capacity for the next `kv_init` (set by the driver before the command).
     capacity: Arc<AtomicUsize>,
     /// Rank 0's logits of the last host-fed step or prefill.
@@ -318,12 +316,12 @@ impl CudaTpBackend {
                 runner.set_vocab_split(r, tp).map_err(cuda_error)?;
             }
             let mut rank = CudaRank::new(runner, r);
-            match peer_handle.clone() {
+            match peer_handle {
                 // Decode graphs then hold peer kernels only (NCCL sums prefill chunks, eagerly).
                 Some(h) => rank.set_peer(h),
                 None => rank.set_comm(nccl.clone()),
             }
-            Ok(CudaTpWorker { rank, nccl, peer: peer_handle, capacity: cap.clone(), out: o.clone() })
+            Ok(CudaTpWorker { rank, nccl, capacity: cap.clone(), out: o.clone() })
         })
         .map_err(|e| fail(&aborts, e))?;
         Ok(Self { group, aborts, capacity, out, seq: None, next_seq: 1, pos: 0, vocab, label })
@@ -342,7 +340,7 @@ impl CudaTpBackend {
     pub fn set_fault(&mut self, fault: Fault) -> Result<()> {
         self.on_ranks(move |w, _| {
             let handle = w.nccl.abort_handle();
-            let peer = w.peer.clone();
+            let peer = w.rank.peer().cloned();
             let abort = move || {
                 handle.abort("injected failure");
                 if let Some(p) = &peer {
