@@ -270,8 +270,9 @@ fn ordinals(first: usize, tp: usize) -> Result<Vec<usize>> {
 impl CudaTpBackend {
     /// Starts one rank thread per GPU in `ordinals`; rank `r` builds its runner with
     /// `make(r, ordinal)` on its own thread and gets a reducer over the group: NCCL, with the
-    /// one-shot peer all-reduce for decode tokens (messages of `hidden` floats) as `all_reduce`
-    /// says.
+    /// one-shot peer all-reduce for decode tokens (messages of `hidden` floats) as
+    /// `opts.all_reduce` says; with `opts.vocab_split`, each rank's device-fed steps compute its
+    /// share of the LM head (`CudaDecodeRunner::set_vocab_split`).
     pub fn new<F>(
         ordinals: &[usize],
         vocab: usize,

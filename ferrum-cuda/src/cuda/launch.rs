@@ -1077,8 +1077,11 @@ impl Kernels {
     /// Index of the largest of `n` logits into `out[0]` (smallest index on ties); with
     /// `sample = Some((inv_temp, seed))` a Gumbel-max draw from `softmax(logits * inv_temp)`
     /// instead, hashed from (seed, the position in `feed.step[1]`). With `feed`, the token also
-    /// becomes the next device-fed step's input (see `ferrum_argmax_final`).
-    #[allow(clippy::too_many_arguments)]
+    /// becomes the next device-fed step's input (see `ferrum_argmax_final`). With `split` (a TP
+    /// vocab split: the logits are rows `[base, base + n)`), the indices are vocabulary indices
+    /// and the final pass writes this rank's candidate to the exchange buffer instead of the
+    /// token; the feed then only keys the noise, and [`argmax_pick`](Self::argmax_pick) writes
+    /// the token once the buffer was summed over the ranks.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn argmax(
         &self,
