@@ -10,43 +10,53 @@
 // depend on the position (CUDA graphs can replay it).
 #include "common.cuh"
 
+// The angle of RoPE pair i at position pos: pos * inv_f in f32 (as HF computes it), its sine
+// and cosine through sincospi in f64, whose argument reduction is exact (no Payne-Hanek path
+// with its local array, which sincosf needs for angles past 105615 and which cost a stack frame
+// here), then rounded to f32: at least as accurate as sincosf, at any position. It reads no
+// memory, so the fused attention computes it before its programmatic-launch wait.
+__device__ __forceinline__ void rope_angle(uint32_t pos, float inv_f, float &c, float &sn) {
+    const float theta = __fmul_rn((float)pos, inv_f);
+    double sd, cd;
+    sincospi(__dmul_rn((double)theta, 0.318309886183790671537767526745), &sd, &cd);  // 1/pi
+    sn = (float)sd;
+    c = (float)cd;
+}
+
+// What RoPE pair i of one head needs besides the pair itself, none of it written by any kernel
+// (so the fused attention loads it before its wait): the bias of the pair, the head norm's
+// weights, and the angle's cosine and sine (rope_angle).
+struct RopeConsts {
+    bool bias, norm, rotate;  // uniform over the block
+    float ba, bb, na, nb, c, sn;
+};
+
 // RoPE's per-pair math, shared by rope_qkv and the fused attention (rope_head) so that the two
 // agree bit for bit: thread i < half holds the pair (a, b) = (x[i], x[i + half]) of one head
-// (zeros for the other threads); adds the bias (when non-null), applies the head's RMSNorm with
-// weight nw (when non-null: the sum of squares runs through block_sum, so every thread of the
-// block must call this, and threads without a pair add exact zeros), then rotates by
-// pos * inv_freq[i] (when `rotate`). Sharing the source is not enough: inlined into two
+// (zeros for the other threads); adds the bias (when k.bias), applies the head's RMSNorm with
+// weights (k.na, k.nb) (when k.norm: the sum of squares runs through block_sum, so every thread
+// of the block must call this, and threads without a pair add exact zeros), then rotates by the
+// angle (k.c, k.sn) (when k.rotate). Sharing the source is not enough: inlined into two
 // kernels, the compiler may contract a * c - b * sn into an FMA in one and not the other
 // (seen on the GPU). So every step is an explicitly rounded intrinsic (__fmul_rn, __fadd_rn,
 // __fsub_rn, __fmaf_rn), which nvcc never contracts or reorders.
-template <typename T>
-__device__ __forceinline__ void rope_pair(float &a, float &b, bool active, int i, int half,
-                                          int hd, const T *bias, int off, const T *nw,
-                                          bool rotate, const float *inv_freq, uint32_t pos,
+__device__ __forceinline__ void rope_pair(float &a, float &b, bool active, int hd, const RopeConsts &k,
                                           float eps, float *red) {
-    if (active && bias != nullptr) {
-        a = __fadd_rn(a, to_f(bias[off + i]));
-        b = __fadd_rn(b, to_f(bias[off + i + half]));
+    if (active && k.bias) {
+        a = __fadd_rn(a, k.ba);
+        b = __fadd_rn(b, k.bb);
     }
-    if (nw != nullptr) {  // uniform over the block
+    if (k.norm) {  // uniform over the block
         const float ss = block_sum(__fmaf_rn(a, a, __fmul_rn(b, b)), red);
         const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, (float)hd), eps));
         if (active) {
-            a = __fmul_rn(__fmul_rn(a, r), to_f(nw[i]));
-            b = __fmul_rn(__fmul_rn(b, r), to_f(nw[i + half]));
+            a = __fmul_rn(__fmul_rn(a, r), k.na);
+            b = __fmul_rn(__fmul_rn(b, r), k.nb);
         }
     }
-    if (rotate && active) {
-        // The angle in f32 (as HF computes it); its sine and cosine through sincospi in f64,
-        // whose argument reduction is exact (no Payne-Hanek path with its local array, which
-        // sincosf needs for angles past 105615 and which cost a stack frame here), then rounded
-        // to f32: at least as accurate as sincosf, at any position.
-        const float theta = __fmul_rn((float)pos, inv_freq[i]);
-        double sd, cd;
-        sincospi(__dmul_rn((double)theta, 0.318309886183790671537767526745), &sd, &cd);  // 1/pi
-        const float sn = (float)sd, c = (float)cd;
-        const float na = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, sn));
-        const float nb = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, sn));
+    if (k.rotate && active) {
+        const float na = __fsub_rn(__fmul_rn(a, k.c), __fmul_rn(b, k.sn));
+        const float nb = __fadd_rn(__fmul_rn(b, k.c), __fmul_rn(a, k.sn));
         a = na;
         b = nb;
     }
@@ -64,14 +74,24 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
     const uint32_t pos = pos_base[0] + (uint32_t)tok;
     const bool active = i < half_d;
     const int off = h * hd;
+    const bool is_q = h < heads, is_v = h >= heads + kv_heads;
+    const T *nw = is_v ? nullptr : (is_q ? q_norm : k_norm);
+    RopeConsts k = {bias != nullptr, nw != nullptr, !is_v, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
     float a = 0.0f, b = 0.0f;
     if (active) {
         a = row[off + i];
         b = row[off + i + half_d];
+        if (k.bias) {
+            k.ba = to_f(bias[off + i]);
+            k.bb = to_f(bias[off + i + half_d]);
+        }
+        if (k.norm) {
+            k.na = to_f(nw[i]);
+            k.nb = to_f(nw[i + half_d]);
+        }
+        if (k.rotate) rope_angle(pos, inv_freq[i], k.c, k.sn);
     }
-    const bool is_q = h < heads, is_v = h >= heads + kv_heads;
-    rope_pair<T>(a, b, active, i, half_d, hd, bias, off, is_v ? nullptr : (is_q ? q_norm : k_norm),
-                 !is_v, inv_freq, pos, eps, sh);
+    rope_pair(a, b, active, hd, k, eps, sh);
     if (is_q) {  // q stays fp32 (in place); only K/V are rounded, into the cache
         if (active) {
             row[off + i] = a;
@@ -90,41 +110,58 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
 
 // Most KV splits (plan::MAX_SPLITS): the merge keeps one weight per split in shared memory.
 #define ATTN_MAX_SPLITS 64
+// Most KV splits merged inside a thread-block cluster (plan::ATTN_MAX_CLUSTER: the portable
+// cluster size).
+#define ATTN_MAX_CLUSTER 8
 
-// Merges the n_splits partials of (token `tok`, head `h`) into out[tok][h*hd + d] for
-// d = threadIdx.x, threadIdx.x + blockDim.x, ... < hd, in split order (so the result does not
-// depend on which block runs it, nor on its size). Partials are read through L2 (__ldcg: other
-// blocks may have written them in the same launch). Called by every thread of the block
-// (blockDim.x >= 32): the first warp computes the max M and each split's weight exp(m_s - M)
-// (0 for an empty split) into shared memory, then each thread sums its columns with the
-// weights in split order; the loads of that sum do not depend on one another, so they are in
-// flight together (a loop that loads m_s and branches per split waits on each load in turn,
-// ~30 us for 64 splits at head dim 128).
-__device__ __forceinline__ void merge_into(float *out, const float *part_acc, const float *part_ml,
-                                           int tok, int h, int heads, int hd, int n_splits) {
-    __shared__ float s_w[ATTN_MAX_SPLITS], s_l[ATTN_MAX_SPLITS];
-    const size_t base = ((size_t)tok * heads + h) * n_splits;
+// Merges n_splits partials of one (token, head) into out_row[d] for d = threadIdx.x,
+// threadIdx.x + blockDim.x, ... < hd, in split order (so the result depends neither on which
+// block runs it, nor on its size, nor on where the partials lie). Split s's unnormalised sums
+// are acc[s * hd + d], its (max, sum) ml[2 s] and ml[2 s + 1]. GLOBAL: they are in global
+// memory, written by other blocks of the same launch, and read through L2 (__ldcg, never a
+// stale L1 line); else they are in this block's shared memory (the cluster merge). `sw` is
+// 2 * n_splits floats of shared scratch. Called by every thread of the block (blockDim.x >=
+// 32): the first warp computes the max M and each split's weight exp(m_s - M) (0 for an empty
+// split) into `sw`, then each thread sums its columns with the weights in split order; the
+// loads of that sum do not depend on one another, so they are in flight together (a loop that
+// loads m_s and branches per split waits on each load in turn, ~30 us for 64 splits at head
+// dim 128).
+template <bool GLOBAL>
+__device__ __forceinline__ void merge_rows(float *out_row, const float *acc, const float *ml, int hd,
+                                           int n_splits, float *sw) {
+    float *s_w = sw, *s_l = sw + n_splits;
     if (threadIdx.x < 32) {
         float M = FERRUM_NEG_INF;
-        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, __ldcg(part_ml + (base + s) * 2));
+        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, GLOBAL ? __ldcg(ml + 2 * s) : ml[2 * s]);
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));  // exact
         for (int s = threadIdx.x; s < n_splits; s += 32) {
-            const float ms = __ldcg(part_ml + (base + s) * 2);
+            const float ms = GLOBAL ? __ldcg(ml + 2 * s) : ml[2 * s];
             s_w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
-            s_l[s] = __ldcg(part_ml + (base + s) * 2 + 1);
+            s_l[s] = GLOBAL ? __ldcg(ml + 2 * s + 1) : ml[2 * s + 1];
         }
     }
     __syncthreads();
     float L = 0.0f;
     for (int s = 0; s < n_splits; ++s) L = fmaf(s_l[s], s_w[s], L);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
-        const float *acc = part_acc + base * hd + d;
+        const float *a = acc + d;
         float A = 0.0f;
 #pragma unroll 16
-        for (int s = 0; s < n_splits; ++s) A = fmaf(__ldcg(acc + (size_t)s * hd), s_w[s], A);
-        out[(size_t)tok * heads * hd + h * hd + d] = L > 0.0f ? A / L : 0.0f;
+        for (int s = 0; s < n_splits; ++s) A = fmaf(GLOBAL ? __ldcg(a + (size_t)s * hd) : a[(size_t)s * hd], s_w[s], A);
+        out_row[d] = L > 0.0f ? A / L : 0.0f;
     }
+}
+
+// merge_rows over the global partials of (token `tok`, head `h`): part_acc
+// [n_tok][heads][n_splits][hd] and part_ml [n_tok][heads][n_splits][2], into
+// out[tok][h*hd .. +hd). Called by every thread of the block.
+__device__ __forceinline__ void merge_into(float *out, const float *part_acc, const float *part_ml,
+                                           int tok, int h, int heads, int hd, int n_splits) {
+    __shared__ float s_wl[2 * ATTN_MAX_SPLITS];
+    const size_t base = ((size_t)tok * heads + h) * n_splits;
+    merge_rows<true>(out + ((size_t)tok * heads + h) * hd, part_acc + base * hd, part_ml + base * 2, hd,
+                     n_splits, s_wl);
 }
 
 // The last of the n_splits blocks of one (token, head) to finish merges their partials, so no
@@ -151,14 +188,68 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
     merge_into(out, part_acc, part_ml, blockIdx.z, blockIdx.x, heads, hd, n_splits);
 }
 
+// Thread-block clusters (sm_90): the decode attention's n_splits blocks of one (token, head)
+// can run as one cluster (the host's choice: plan::attn_cluster), and then merge their partials
+// through distributed shared memory instead of global memory, a fence and a ticket. The
+// protocol (attn_impl):
+// 1. at entry every thread arrives (relaxed) at the cluster barrier: "this block has started";
+// 2. before its first remote store, every thread waits on that phase, so every block of the
+//    cluster is running (a block's shared memory may be written only while the block exists);
+// 3. each block stores its partial into its split's slot of the merge buffer of the cluster's
+//    block 0 (st.shared::cluster), then every thread arrives with release semantics and waits
+//    with acquire semantics: once the wait returns, every block's stores are visible to block 0;
+// 4. block 0 merges from its own shared memory; the others exit, and none of their shared
+//    memory is read by anyone. Block 0 exits last, after its reads.
+// No thread of the cluster returns before step 3's barrier, so every phase completes.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define FERRUM_HAS_CLUSTER 1
+__device__ __forceinline__ uint32_t cluster_blocks() {
+    uint32_t n;
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+    return n;
+}
+__device__ __forceinline__ uint32_t cluster_rank() {
+    uint32_t r;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// The shared::cluster address of `p` (this block's shared memory) in block `rank`.
+__device__ __forceinline__ uint32_t cluster_map(const void *p, uint32_t rank) {
+    uint32_t out;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                 : "=r"(out)
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(rank));
+    return out;
+}
+__device__ __forceinline__ void st_cluster(uint32_t addr, float v) {
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+    asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+#else
+#define FERRUM_HAS_CLUSTER 0
+__device__ __forceinline__ uint32_t cluster_blocks() { return 1; }
+__device__ __forceinline__ uint32_t cluster_rank() { return 0; }
+__device__ __forceinline__ uint32_t cluster_map(const void *, uint32_t) { return 0; }
+__device__ __forceinline__ void st_cluster(uint32_t, float) {}
+__device__ __forceinline__ void cluster_arrive_relaxed() {}
+__device__ __forceinline__ void cluster_arrive_release() {}
+__device__ __forceinline__ void cluster_wait() {}
+#endif
+
 #define ATTN_MAX_WARPS 8
 #define ATTN_MAX_HD 256
 // Scores held in shared memory at a time; longer splits run tile after tile with the online
 // softmax rescale between tiles.
 #define ATTN_TILE 512
 // TPW * HD = 32 * 8 * CH / G <= 256 for every HD, so the value partials take at most
-// ATTN_MAX_WARPS * 256 floats.
-#define ATTN_SMEM_FLOATS (3 * ATTN_MAX_HD + ATTN_TILE + 32 + ATTN_MAX_WARPS * 256)
+// ATTN_MAX_WARPS * 256 floats; then each warp's (max, sum).
+#define ATTN_SMEM_FLOATS (3 * ATTN_MAX_HD + ATTN_TILE + 32 + ATTN_MAX_WARPS * 256 + 2 * ATTN_MAX_WARPS)
 
 // How a warp covers cache rows of head_dim HD: each lane takes one 16-byte chunk (8 values)
 // of a row, G lanes (a power of two >= the HD / 8 chunks, the extra lanes idle) share one row,
@@ -169,6 +260,13 @@ template <int HD> struct AttnGeom {
     static constexpr int TPW = 32 / G;
 };
 
+// The cluster merge buffer at the start of the launch's dynamic shared memory: n_splits rows
+// of HD unnormalised sums, then n_splits (max, sum) pairs; rounded up to 16 bytes, so the early
+// copies that follow stay aligned (plan::attn_merge_bytes computes the same).
+__device__ __forceinline__ uint32_t attn_merge_bytes(int n_splits, int hd) {
+    return ((uint32_t)n_splits * (uint32_t)(hd + 2) * 4u + 15u) & ~15u;
+}
+
 // What ferrum_attn_rope_* adds to the attention: rope_qkv's inputs and the cache to append to.
 template <typename T> struct RopeArgs {
     const T *bias, *q_norm, *k_norm;  // each may be null
@@ -177,48 +275,48 @@ template <typename T> struct RopeArgs {
     float eps;
 };
 
-__device__ __forceinline__ float block_max(float v, float *sh) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+__device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    if (lane == 0) sh[warp] = v;
-    __syncthreads();
-    v = FERRUM_NEG_INF;
-    for (int w = 0; w < nw; ++w) v = fmaxf(v, sh[w]);
-    __syncthreads();
     return v;
 }
 
 // The decode attention's own RoPE (ferrum_attn_rope_*): dst[0..HD) = the head whose raw pair
 // (a, b) = (x[i], x[i + HD/2]) thread i < HD/2 holds (loaded by the caller, so the loads of q, k
-// and v are in flight together), with the bias at `off`, the optional per-head RMSNorm `nw`
-// and, when `rotate`, RoPE at position pos, through the same rope_pair as rope_qkv (the
-// norm's sum runs through block_sum, whose extra warps add exact zeros), so the fused and
-// the separate kernels agree bit for bit. With `round` the values are rounded to the cache
-// dtype (as the separate kernel's cache write does). Called by every thread of the block
-// (blockDim.x >= HD/2, checked by the host); `dst` is read after a barrier.
+// and v are in flight together), with the bias, head norm and angle in `k`, through the same
+// rope_pair as rope_qkv (the norm's sum runs through block_sum, whose extra warps add exact
+// zeros), so the fused and the separate kernels agree bit for bit. With `round` the values are
+// rounded to the cache dtype (as the separate kernel's cache write does); else they are
+// multiplied by `mul` (q's softmax scale: one rounding, as the multiplication of rope_qkv's
+// fp32 output is). Called by every thread of the block (blockDim.x >= HD/2, checked by the
+// host); `dst` is read after a barrier.
 template <typename T, int HD>
-__device__ void rope_head(float *dst, float a, float b, const T *bias, const T *nw, bool rotate,
-                          bool round, const float *inv_freq, uint32_t pos, int off, float eps,
-                          float *red) {
+__device__ __forceinline__ void rope_head(float *dst, float a, float b, const RopeConsts &k, bool round, float mul,
+                          float eps, float *red) {
     constexpr int HALF = HD / 2;
     const int i = threadIdx.x;
     const bool active = i < HALF;
-    rope_pair<T>(a, b, active, i, HALF, HD, bias, off, nw, rotate, inv_freq, pos, eps, red);
+    rope_pair(a, b, active, HD, k, eps, red);
     if (active) {
-        dst[i] = round ? to_f(from_f<T>(a)) : a;
-        dst[i + HALF] = round ? to_f(from_f<T>(b)) : b;
+        dst[i] = round ? to_f(from_f<T>(a)) : __fmul_rn(a, mul);
+        dst[i + HALF] = round ? to_f(from_f<T>(b)) : __fmul_rn(b, mul);
     }
 }
 
-// Copies issued before the programmatic-launch wait (ferrum_attn_rope_* only). The position is
-// a weak L2 load (.cg: never a stale L1 line); cache rows go straight to shared memory with
-// cp.async (.cg, 16 bytes), so they hold no registers while the previous kernel finishes. Both
-// are asm volatile, so that neither the compiler nor ptxas moves them past the wait (see
+// Loads issued before the programmatic-launch wait (ferrum_attn_rope_* only). The position is
+// a weak L2 load (.cg: never a stale L1 line); RoPE's inverse frequencies (written by no
+// kernel) a weak load; cache rows go straight to shared memory
+// with cp.async (.cg, 16 bytes), so they hold no registers while the previous kernel finishes.
+// All are asm volatile, so that neither the compiler nor ptxas moves them past the wait (see
 // ldg_early in gemv.cu for why a plain __ldg would be).
 __device__ __forceinline__ uint32_t ld_early(const uint32_t *p) {
     uint32_t v;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float ld_early_f(const float *p) {
+    float v;
+    asm volatile("ld.global.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
 __device__ __forceinline__ void cp_early16(uint4 *dst_smem, const uint4 *src) {
@@ -230,10 +328,10 @@ __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_al
 
 // Cache rows per row slot that ferrum_attn_rope_* copies to shared memory before the wait (K
 // and V: 2 * 16 * ATTN_EARLY_ROWS bytes per thread, 32 KiB for 8 warps, in dynamic shared
-// memory). When a split's rows fit (ATTN_EARLY_ROWS x the block's slots; the host picks 4 or 8
-// warps for that, plan::attn_warps, and plan::ATTN_EARLY_ROWS must equal this), every cache
-// load is in flight before the previous kernel ends; longer splits get no buffer and walk the
-// cache after the wait.
+// memory after the cluster merge buffer). When a split's rows fit (ATTN_EARLY_ROWS x the
+// block's slots; the host picks 4 or 8 warps for that, plan::attn_warps, and
+// plan::ATTN_EARLY_ROWS must equal this), every cache load is in flight before the previous
+// kernel ends; longer splits get no buffer and walk the cache after the wait.
 #define ATTN_EARLY_ROWS 4
 // Every early row lies in the first tile: slots <= ATTN_MAX_WARPS * 16 (G >= 2 lanes per row).
 static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fit the first tile");
@@ -242,17 +340,24 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // Query token `tok` sits at position pos_base[0] + tok and attends to cache rows [0, pos].
 // Split s covers an equal share of those rows (the share is computed from the length read on
 // the device). With one split the normalised output is written to `out` [n_tok][heads*hd];
-// otherwise the unnormalised partials go to part_acc [n_tok][heads][n_splits][hd] and part_ml
-// (max, sum), and then either a separate attn_combine launch merges them (`counters` null) or
-// the last split block of each (token, head) does (see merge_splits).
+// otherwise the splits' unnormalised partials are merged: inside a thread-block cluster when
+// the host launched the splits of each (token, head) as one (see cluster_blocks above), else
+// through part_acc [n_tok][heads][n_splits][hd] and part_ml (max, sum), by a separate
+// attn_combine launch (`counters` null) or by the last split block of each (token, head)
+// (merge_splits). All three merges compute the same operations in the same order.
 //
 // The walk over rows is built for latency (batch-1 decode reads few rows per block): no loop
-// iteration waits on the previous one, so every load of a pass is in flight at once.
+// iteration waits on the previous one, so every load of a pass is in flight at once, and no
+// block barrier sits inside the walk: each warp keeps its own online softmax over the rows it
+// walks (flash-decoding within the block).
 // 1. scores: G lanes per row, a 16-byte load each, a dot with the scaled q, a G-lane
-//    butterfly; each row's score goes to shared memory (s_p);
-// 2. the tile's maximum and exp(score - max) over the block, the running (m, l) rescaled;
-// 3. values: the same lane layout, acc += p * v per lane (8 values), one partial per row slot
-//    (warp, row of the warp), summed over the slots in slot order at the end.
+//    butterfly; each row's score goes to this warp's entries of shared memory (s_p) and into
+//    the warp's running maximum;
+// 2. the warp's new maximum (a shuffle reduction), its running (m, l) rescaled;
+// 3. values: the same lane layout, p = exp(score - m) and acc += p * v per lane (8 values),
+//    one partial per row slot (warp, row of the warp);
+// 4. at the end, the block's (M, L, A): M the maximum of the warps' m, each warp weighted by
+//    exp(m_w - M), its slots summed in slot order.
 // Every order is fixed by the launch shape, so results are deterministic.
 //
 // ROPE (ferrum_attn_rope_*, one decode token): `q` is the raw qkv row and this kernel also does
@@ -260,31 +365,45 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // (position pos) computes that row's K and V and uses them from shared memory, never from the
 // cache, and the first query head of each KV group writes them to the cache for later steps.
 // No block of the launch reads cache row pos, so that write races with nothing.
-// ROPE also loads the position and up to ATTN_EARLY_ROWS cache rows per slot (K and V) before
-// the programmatic-launch wait, while the QKV projection finishes. Why that is safe: every
-// decode kernel waits (griddepcontrol.wait) before it lets its dependent launch, so when this
-// grid starts, every kernel before the one it depends on has completed and its writes are
-// visible. (A kernel that never signals, such as a cuBLAS GEMM on the cuBLAS decode path,
-// counts as finished only when it completes, which keeps the chain.) The kernel it depends on
-// (the QKV projection, a GEMV or a GEMM) writes neither the position (the previous step's
-// argmax, or a host copy, wrote it) nor the cache (rows below pos were written by earlier
-// attention launches, row pos is never read here), and the loads go through L2.
+// ROPE also loads the position, the RoPE constants (and computes the angle) and up to
+// ATTN_EARLY_ROWS cache rows per slot (K and V) before the programmatic-launch wait, while
+// the QKV projection finishes. Why that is safe: every decode kernel waits
+// (griddepcontrol.wait) before it lets its dependent launch, so when this grid starts, every
+// kernel before the one it depends on has completed and its writes are visible. (A kernel that
+// never signals, such as a cuBLAS GEMM on the cuBLAS decode path, counts as finished only when
+// it completes, which keeps the chain.) The kernel it depends on (the QKV projection, a GEMV
+// or a GEMM) writes neither the position (the previous step's argmax, or a host copy, wrote
+// it) nor the cache (rows below pos were written by earlier attention launches, row pos is
+// never read here), and the loads go through L2.
 template <typename T, int HD, bool ROPE, bool EARLY>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
-                          float scale, float *smem, uint4 *s_early, const RopeArgs<T> &rope) {
+                          float scale, float *smem, uint4 *s_dyn, const RopeArgs<T> &rope) {
     constexpr int CH = AttnGeom<HD>::CH, G = AttnGeom<HD>::G, TPW = AttnGeom<HD>::TPW;
-    // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the tile's scores, a reduction
-    // scratch, and the per-slot value partials [ATTN_MAX_WARPS * TPW][HD].
+    // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the new K/V row, the tile's
+    // scores, a reduction scratch, the per-slot value partials [ATTN_MAX_WARPS * TPW][HD], and
+    // each warp's (max, sum).
     float *s_q = smem, *s_k = s_q + ATTN_MAX_HD, *s_v = s_k + ATTN_MAX_HD;
     float *s_p = s_v + ATTN_MAX_HD, *s_red = s_p + ATTN_TILE;
     float(*s_acc)[HD] = reinterpret_cast<float(*)[HD]>(s_red + 32);
+    float *s_wm = s_red + 32 + ATTN_MAX_WARPS * 256, *s_wl = s_wm + ATTN_MAX_WARPS;
     const int h = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gl = lane % G, sub = lane / G;        // chunk of the row, row of the warp
     const int slots = nw * TPW, slot = warp * TPW + sub;
     const bool chunk_on = gl < CH;
+    // The dynamic shared memory: the cluster merge buffer (when the splits of each (token,
+    // head) run as one cluster and the host gave the buffer), then the early copies.
+    uint32_t dyn_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    const uint32_t mrg_bytes = attn_merge_bytes(n_splits, HD);
+    // Uniform over the launch (the launch shape, the cluster shape, the dynamic size).
+    const bool cluster =
+        FERRUM_HAS_CLUSTER && n_splits > 1 && cluster_blocks() == (uint32_t)n_splits && dyn_bytes >= mrg_bytes;
+    if (cluster) cluster_arrive_relaxed();  // step 1: this block has started
+    float *s_mrg = reinterpret_cast<float *>(s_dyn);
+    uint4 *s_early = s_dyn + (cluster ? mrg_bytes / 16 : 0);
     if (!ROPE) FERRUM_PDL_ENTRY();  // the position and the cache may come from the last kernel
     const uint32_t pos = (ROPE ? ld_early(pos_base) : pos_base[0]) + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
@@ -304,14 +423,14 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // and nothing reads those slots.
     // Only with a wait to run ahead of (FERRUM_HAS_PDL); without, the copies would gain nothing.
     // The copies go to the launch's dynamic shared memory; the host gives it (2 * ER chunks
-    // per thread) only when the whole split fits in the early rows (plan::attn_warps): for
-    // long splits the buffer would cost more occupancy than the early rows save.
+    // per thread, after the merge buffer) only when the whole split fits in the early rows
+    // (plan::attn_warps): for long splits the buffer would cost more occupancy than the early
+    // rows save.
     // A separate instance (EARLY, ferrum_attn_rope_early_*): its buffer handling costs ~40
     // registers, which would halve the blocks resident per multiprocessor for long contexts.
     constexpr int ER = ROPE && EARLY && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
-    uint32_t dyn_bytes = 0;
-    if (ER > 0) asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
-    const bool early = ER > 0 && dyn_bytes >= 2u * ER * blockDim.x * (uint32_t)sizeof(uint4);
+    const bool early =
+        ER > 0 && dyn_bytes >= (cluster ? mrg_bytes : 0u) + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4);
     if (early) {
 #pragma unroll
         for (int u = 0; u < ER; ++u) {
@@ -327,32 +446,58 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // The new row (ROPE only): its position when this split holds it, else -1.
     int new_row = -1;
     if (ROPE) {
+        const int i = threadIdx.x, half = HD / 2;
+        const bool active = i < half;
+        const bool has_new = (int)pos >= start && (int)pos < end;  // pos < len <= capacity; uniform
+        const int q_off = h * HD, k_off = (heads + kvh) * HD, v_off = (heads + kv_heads + kvh) * HD;
+        // RoPE's angle (the same for q and k) is computed before the wait: it reads only the
+        // position and the inverse frequencies, which no kernel writes; the sine and cosine
+        // in f64 are a long dependent chain. The biases and norm weights (written by no kernel
+        // either) are loaded after the wait, together with the new token's row: one round trip.
+        const bool bias = rope.bias != nullptr;
+        RopeConsts kq = {bias, rope.q_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
+        if (active) rope_angle(pos, ld_early_f(rope.inv_freq + i), kq.c, kq.sn);
         FERRUM_PDL_ENTRY();  // q, k and v of the new token come from the QKV projection
         if (early) cp_early_wait();
+        RopeConsts kk = {bias, rope.k_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, kq.c, kq.sn};
+        RopeConsts kv = {bias, false, false, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
         const float *row = q + (size_t)tok * q_stride;
-        const int i = threadIdx.x, half = HD / 2;
-        const bool has_new = (int)pos >= start && (int)pos < end;  // pos < len <= capacity
-        const int k_off = (heads + kvh) * HD, v_off = (heads + kv_heads + kvh) * HD;
-        // The raw pairs of q, k and v, loaded together (k and v only where needed).
+        // The raw pairs of q, k and v and their constants, loaded together (k and v only where
+        // needed).
         float qa = 0.0f, qb = 0.0f, ka = 0.0f, kb2 = 0.0f, va = 0.0f, vb2 = 0.0f;
-        if (i < half) {
-            qa = row[h * HD + i];
-            qb = row[h * HD + i + half];
+        if (active) {
+            qa = row[q_off + i];
+            qb = row[q_off + i + half];
+            if (bias) {
+                kq.ba = to_f(rope.bias[q_off + i]);
+                kq.bb = to_f(rope.bias[q_off + i + half]);
+            }
+            if (kq.norm) {
+                kq.na = to_f(rope.q_norm[i]);
+                kq.nb = to_f(rope.q_norm[i + half]);
+            }
             if (has_new) {
                 ka = row[k_off + i];
                 kb2 = row[k_off + i + half];
                 va = row[v_off + i];
                 vb2 = row[v_off + i + half];
+                if (bias) {
+                    kk.ba = to_f(rope.bias[k_off + i]);
+                    kk.bb = to_f(rope.bias[k_off + i + half]);
+                    kv.ba = to_f(rope.bias[v_off + i]);
+                    kv.bb = to_f(rope.bias[v_off + i + half]);
+                }
+                if (kk.norm) {
+                    kk.na = to_f(rope.k_norm[i]);
+                    kk.nb = to_f(rope.k_norm[i + half]);
+                }
             }
         }
-        rope_head<T, HD>(s_q, qa, qb, rope.bias, rope.q_norm, true, false, rope.inv_freq, pos,
-                         h * HD, rope.eps, s_red);
-        if (has_new) {  // uniform over the block
+        rope_head<T, HD>(s_q, qa, qb, kq, false, scale, rope.eps, s_red);  // q, scaled
+        if (has_new) {
             new_row = (int)pos;
-            rope_head<T, HD>(s_k, ka, kb2, rope.bias, rope.k_norm, true, true, rope.inv_freq, pos,
-                             k_off, rope.eps, s_red);
-            rope_head<T, HD>(s_v, va, vb2, rope.bias, nullptr, false, true, rope.inv_freq, pos,
-                             v_off, rope.eps, s_red);
+            rope_head<T, HD>(s_k, ka, kb2, kk, true, 1.0f, rope.eps, s_red);
+            rope_head<T, HD>(s_v, va, vb2, kv, true, 1.0f, rope.eps, s_red);
         }
         __syncthreads();
         if (new_row >= 0 && h % (heads / kv_heads) == 0) {
@@ -362,26 +507,31 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
                 rope.v_out[at + d] = from_f<T>(s_v[d]);
             }
         }
-        for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] *= scale;
     } else {
         for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
+        __syncthreads();
     }
-    __syncthreads();
     float qv[8], acc[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
         qv[j] = chunk_on ? s_q[gl * 8 + j] : 0.0f;
         acc[j] = 0.0f;
     }
-    float m = FERRUM_NEG_INF, l = 0.0f;  // block-uniform: they come from block reductions
+    // This warp's running max and sum over the rows it walked (warp-uniform: each comes from a
+    // warp reduction). A warp that has seen no row keeps m = -inf, l = 0 and acc = 0.
+    float m = FERRUM_NEG_INF, l = 0.0f;
     for (int t0 = start; t0 < end; t0 += ATTN_TILE) {
         const int n = min(ATTN_TILE, end - t0);
         // The early rows lie in the first tile (ER * slots <= ATTN_EARLY_ROWS * ATTN_MAX_WARPS
-        // * 16 = ATTN_TILE at most: static_assert below); later iterations and tiles load from
+        // * 16 = ATTN_TILE at most: static_assert above); later iterations and tiles load from
         // the cache here.
-        const int ib_late = warp * TPW + (early && t0 == start ? ER * slots : 0);
-        // 1. Scores. The loop bounds are warp-uniform (every lane reaches the shuffles).
-        if (early && t0 == start) {
+        const bool first_early = early && t0 == start;
+        const int ib_late = warp * TPW + (first_early ? ER * slots : 0);
+        // 1. Scores. The loop bounds are warp-uniform (every lane reaches the shuffles). Row i
+        //    is this warp's (i = warp * TPW + sub modulo slots), so s_p[i] is written and read
+        //    by this warp only.
+        float mt = FERRUM_NEG_INF;
+        if (first_early) {
 #pragma unroll
             for (int u = 0; u < ER; ++u) {
                 const int ib = warp * TPW + u * slots;
@@ -401,7 +551,10 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
                     }
 #pragma unroll
                     for (int o = G / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-                    if (i < n && gl == 0) s_p[i] = sc;
+                    if (i < n) {
+                        mt = fmaxf(mt, sc);
+                        if (gl == 0) s_p[i] = sc;
+                    }
                 }
             }
         }
@@ -422,81 +575,123 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
             }
 #pragma unroll
             for (int o = G / 2; o > 0; o >>= 1) sc += __shfl_xor_sync(0xffffffffu, sc, o);
-            if (i < n && gl == 0) s_p[i] = sc;
+            if (i < n) {
+                mt = fmaxf(mt, sc);
+                if (gl == 0) s_p[i] = sc;
+            }
         }
-        __syncthreads();
-        // 2. Softmax bookkeeping over the tile.
-        float mt = FERRUM_NEG_INF;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) mt = fmaxf(mt, s_p[i]);
-        mt = block_max(mt, s_red);
+        // 2. The warp's softmax bookkeeping (no block barrier: the rows are the warp's own).
+        mt = warp_max(mt);
+        __syncwarp();  // publishes this warp's s_p entries to its lanes
         const float mn = fmaxf(m, mt);
-        const float corr = expf(m - mn);  // exp(-inf) = 0 on the first tile
-        float ls = 0.0f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const float p = expf(s_p[i] - mn);
-            s_p[i] = p;
-            ls += p;
-        }
-        ls = block_sum(ls, s_red);  // its barriers also publish s_p
-        l = l * corr + ls;
-        m = mn;
-        // 3. Values.
+        // A warp with no row so far keeps mn = -inf (and acc = l = 0): nothing to rescale.
+        const float corr = mn == FERRUM_NEG_INF ? 1.0f : expf(m - mn);  // exp(-inf) = 0 at first
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] *= corr;
-        if (early && t0 == start) {
+        // 3. Values. Each lane of a row's group computes the row's p; lane gl == 0 counts it.
+        float ls = 0.0f;
+        if (first_early) {
 #pragma unroll
             for (int u = 0; u < ER; ++u) {
                 const int i = warp * TPW + u * slots + sub;
-                if (i < n && chunk_on) {
-                    const float p = s_p[i];
-                    float vf[8];
-                    if (t0 + i == new_row) {
+                if (i < n) {
+                    const float p = expf(s_p[i] - mn);
+                    if (gl == 0) ls += p;
+                    if (chunk_on) {
+                        float vf[8];
+                        if (t0 + i == new_row) {
 #pragma unroll
-                        for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
-                    } else {
-                        unpack8(s_early[(ER + u) * blockDim.x + threadIdx.x], vf, T());
+                            for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
+                        } else {
+                            unpack8(s_early[(ER + u) * blockDim.x + threadIdx.x], vf, T());
+                        }
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
                     }
-#pragma unroll
-                    for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
                 }
             }
         }
 #pragma unroll 4
         for (int ib = ib_late; ib < n; ib += slots) {
             const int i = ib + sub;
-            if (i < n && chunk_on) {
-                const float p = s_p[i];
-                float vf[8];
-                if (ROPE && t0 + i == new_row) {
+            if (i < n) {
+                const float p = expf(s_p[i] - mn);
+                if (gl == 0) ls += p;
+                if (chunk_on) {
+                    float vf[8];
+                    if (ROPE && t0 + i == new_row) {
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
-                } else {
-                    unpack8(__ldg(vb + (size_t)(t0 + i) * CH), vf, T());
+                        for (int j = 0; j < 8; ++j) vf[j] = s_v[gl * 8 + j];
+                    } else {
+                        unpack8(__ldg(vb + (size_t)(t0 + i) * CH), vf, T());
+                    }
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
                 }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
             }
         }
-        __syncthreads();  // s_p is rewritten by the next tile
+        l = fmaf(l, corr, warp_sum(ls));
+        m = mn;
+        __syncwarp();  // s_p is rewritten by the next tile
     }
+    // 4. The block's partial: each warp's slots summed in slot order, weighted by exp(m_w - M).
     if (chunk_on) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) s_acc[slot][gl * 8 + j] = acc[j];
     }
+    if (lane == 0) {
+        s_wm[warp] = m;
+        s_wl[warp] = l;
+    }
     __syncthreads();
+    float M = FERRUM_NEG_INF;
+    for (int w = 0; w < nw; ++w) M = fmaxf(M, s_wm[w]);
+    // Warp w's weight exp(m_w - M) (0 for a warp that saw no row), recomputed where used: an
+    // array of them costs ptxas a stack frame.
+    auto weight = [&](int w) {
+        const float mw = s_wm[w];
+        return mw == FERRUM_NEG_INF ? 0.0f : expf(mw - M);
+    };
+    float L = 0.0f;
+    for (int w = 0; w < nw; ++w) L = fmaf(s_wl[w], weight(w), L);
+    // Cluster step 2 (before the first remote store): every block of the cluster has started.
+    if (cluster) cluster_wait();
+    const uint32_t mrg0 = cluster ? cluster_map(s_mrg, 0) : 0u;  // block 0's merge buffer
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float A = 0.0f;
-        for (int sl = 0; sl < slots; ++sl) A += s_acc[sl][d];
+        for (int w = 0; w < nw; ++w) {
+            float aw = 0.0f;
+#pragma unroll
+            for (int t = 0; t < TPW; ++t) aw += s_acc[w * TPW + t][d];
+            A = fmaf(aw, weight(w), A);
+        }
         if (n_splits == 1) {
-            out[(size_t)tok * heads * HD + h * HD + d] = l > 0.0f ? A / l : 0.0f;
+            out[(size_t)tok * heads * HD + h * HD + d] = L > 0.0f ? A / L : 0.0f;
+        } else if (cluster) {
+            st_cluster(mrg0 + 4u * (uint32_t)(split * HD + d), A);
         } else {
             part_acc[(((size_t)tok * heads + h) * n_splits + split) * HD + d] = A;
         }
     }
     if (n_splits > 1 && threadIdx.x == 0) {
-        float *ml = part_ml + (((size_t)tok * heads + h) * n_splits + split) * 2;
-        ml[0] = m;
-        ml[1] = l;
+        if (cluster) {
+            st_cluster(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split), M);
+            st_cluster(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split + 1), L);
+        } else {
+            float *ml = part_ml + (((size_t)tok * heads + h) * n_splits + split) * 2;
+            ml[0] = M;
+            ml[1] = L;
+        }
+    }
+    if (cluster) {
+        // Step 3: the stores above are visible to block 0 once its wait returns.
+        cluster_arrive_release();
+        cluster_wait();
+        // Step 4 (s_p is free: this block's walk is over).
+        if (cluster_rank() == 0)
+            merge_rows<false>(out + ((size_t)tok * heads + h) * HD, s_mrg, s_mrg + n_splits * HD, HD, n_splits,
+                              s_p);
+        return;
     }
     if (n_splits > 1 && counters != nullptr)
         merge_splits(out, part_acc, part_ml, counters + (size_t)tok * heads + h, heads, HD, n_splits);
@@ -508,33 +703,33 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
                      float scale, const RopeArgs<T> &rope) {
     __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
-    // The early K/V copies (ROPE only): 2 * ATTN_EARLY_ROWS chunks per thread, in the launch's
-    // dynamic shared memory (none unless the host enables them).
-    extern __shared__ uint4 s_early[];
+    // The cluster merge buffer and the early K/V copies (see attn_impl), in the launch's
+    // dynamic shared memory (none unless the host gives it).
+    extern __shared__ uint4 s_dyn[];
     switch (hd) {
     case 16:
         attn_impl<T, 16, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, s_early, rope);
+                         kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     case 32:
         attn_impl<T, 32, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, s_early, rope);
+                         kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     case 64:
         attn_impl<T, 64, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_early, rope);
+                        kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     case 96:
         attn_impl<T, 96, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_early, rope);
+                        kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     case 128:
         attn_impl<T, 128, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_early, rope);
+                        kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     case 256:
         attn_impl<T, 256, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_early, rope);
+                        kv_heads, capacity, scale, smem, s_dyn, rope);
         break;
     default:
         break;  // the host only launches supported head dims

@@ -139,14 +139,37 @@ pub fn attn_warps(head_dim: usize, rows: usize) -> (u32, bool) {
     }
 }
 
-/// Dynamic shared memory of a fused decode attention launch: the early K/V copies, two 16-byte
-/// chunks per early row per thread (attention.cu's `s_early`), or none.
-pub fn attn_early_bytes(warps: u32, early: bool) -> u32 {
-    if early {
-        2 * ATTN_EARLY_ROWS as u32 * warps * 32 * 16
-    } else {
-        0
-    }
+/// Most KV splits whose blocks run as one thread-block cluster and merge through distributed
+/// shared memory (attention.cu's `ATTN_MAX_CLUSTER`: the portable cluster size).
+pub const ATTN_MAX_CLUSTER: usize = 8;
+
+/// Whether the decode attention's `n_splits` blocks of each head run as one thread-block
+/// cluster (sm_90 and later: `sm90`) and merge through distributed shared memory: 2 to
+/// [`ATTN_MAX_CLUSTER`] splits.
+pub fn attn_cluster(n_splits: usize, sm90: bool) -> bool {
+    sm90 && (2..=ATTN_MAX_CLUSTER).contains(&n_splits)
+}
+
+/// The cluster merge buffer (attention.cu's `attn_merge_bytes`): `n_splits` rows of
+/// `head_dim` floats and `n_splits` (max, sum) pairs, rounded up to 16 bytes.
+pub fn attn_merge_bytes(n_splits: usize, head_dim: usize) -> u32 {
+    ((n_splits * (head_dim + 2) * 4) as u32).next_multiple_of(16)
+}
+
+/// Dynamic shared memory of a decode attention launch: the cluster merge buffer (with
+/// `cluster`), then the early K/V copies, two 16-byte chunks per early row per thread
+/// (attention.cu's `s_early`), or none.
+pub fn attn_dyn_bytes(warps: u32, early: bool, cluster: bool, n_splits: usize, head_dim: usize) -> u32 {
+    let merge = if cluster { attn_merge_bytes(n_splits, head_dim) } else { 0 };
+    let early = if early { 2 * ATTN_EARLY_ROWS as u32 * warps * 32 * 16 } else { 0 };
+    merge + early
+}
+
+/// The most dynamic shared memory a decode attention launch asks for (8 warps with early
+/// copies, [`ATTN_MAX_CLUSTER`] splits of head dim 256): the kernels are allowed that much at
+/// load, since with their static shared memory it passes the default 48 KiB per block.
+pub fn attn_max_dyn_bytes() -> u32 {
+    attn_dyn_bytes(ATTN_MAX_WARPS, true, true, ATTN_MAX_CLUSTER, 256)
 }
 
 #[cfg(test)]
@@ -191,11 +214,25 @@ mod tests {
         assert_eq!(attn_warps(16, 256), (4, true));
         assert_eq!(attn_warps(96, 33), (8, true));
         assert_eq!(attn_warps(256, 33), (4, false));
-        // The buffer: 32 KiB for 8 warps (with the 13,440 bytes of static shared memory, under
-        // the 48 KiB a launch gets without opting in).
-        assert_eq!(attn_early_bytes(8, true), 32 * 1024);
-        assert_eq!(attn_early_bytes(4, true), 16 * 1024);
-        assert_eq!(attn_early_bytes(8, false), 0);
+        // The early buffer: 32 KiB for 8 warps; the cluster merge buffer before it.
+        assert_eq!(attn_dyn_bytes(8, true, false, 6, 128), 32 * 1024);
+        assert_eq!(attn_dyn_bytes(4, true, false, 6, 128), 16 * 1024);
+        assert_eq!(attn_dyn_bytes(8, false, false, 6, 128), 0);
+        // 6 splits of head dim 128: 6 * 130 floats = 3120 bytes (a multiple of 16).
+        assert_eq!(attn_dyn_bytes(8, true, true, 6, 128), 3120 + 32 * 1024);
+        // 3 splits of head dim 64: 3 * 66 * 4 = 792 bytes, rounded up to 800.
+        assert_eq!(attn_merge_bytes(3, 64), 800);
+        assert_eq!(attn_dyn_bytes(4, false, true, 3, 64), 800);
+        assert_eq!(attn_max_dyn_bytes(), 8 * 258 * 4 + 32 * 1024);
+    }
+
+    #[test]
+    fn cluster_merge_needs_sm90_and_at_most_eight_splits() {
+        assert!(attn_cluster(6, true));
+        assert!(attn_cluster(2, true) && attn_cluster(ATTN_MAX_CLUSTER, true));
+        assert!(!attn_cluster(1, true), "one split has nothing to merge");
+        assert!(!attn_cluster(9, true) && !attn_cluster(64, true));
+        assert!(!attn_cluster(6, false), "no clusters before sm_90");
     }
 
     #[test]
@@ -226,6 +263,8 @@ mod tests {
         assert_eq!(define(attn, "ATTN_EARLY_ROWS"), ATTN_EARLY_ROWS);
         assert_eq!(define(attn, "ATTN_MAX_WARPS"), ATTN_MAX_WARPS as usize);
         assert_eq!(define(attn, "ATTN_MAX_SPLITS"), MAX_SPLITS);
+        assert_eq!(define(attn, "ATTN_MAX_CLUSTER"), ATTN_MAX_CLUSTER);
+        assert_eq!(define(attn, "ATTN_MAX_HD"), 256);
         assert_eq!(define(attn, "PF_WARPS"), PREFILL_WARPS as usize);
         // The tensor-core kernels' head-dim switch is exactly PREFILL_HEAD_DIMS.
         let switch = attn.split("#define PF_HEAD_DIMS").nth(1).expect("PF_HEAD_DIMS");

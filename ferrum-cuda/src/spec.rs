@@ -404,16 +404,20 @@ pub struct Fusion {
     pub norms: bool,
     /// RoPE and the K/V append inside the decode attention kernel (bit-identical).
     pub rope: bool,
+    /// With `split_merge`, on sm_90 and for at most `plan::ATTN_MAX_CLUSTER` splits: the split
+    /// blocks of each head run as one thread-block cluster and merge through distributed shared
+    /// memory instead of global memory, a fence and a ticket (bit-identical).
+    pub cluster: bool,
 }
 
 impl Fusion {
     /// Every fusion on (the default).
-    pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true };
+    pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true, cluster: true };
     /// Every fusion off (`FERRUM_FUSE=0`).
-    pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false };
+    pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false, cluster: false };
 
     /// Reads a `FERRUM_FUSE` value: `0` (none), `1` or empty (all), or a comma-separated list
-    /// of `merge`, `norms`, `rope` (exactly those on). `None` for anything else.
+    /// of `merge`, `norms`, `rope`, `cluster` (exactly those on). `None` for anything else.
     pub fn parse(v: &str) -> Option<Fusion> {
         match v.trim() {
             "0" => return Some(Fusion::NONE),
@@ -426,6 +430,7 @@ impl Fusion {
                 "merge" => f.split_merge = true,
                 "norms" => f.norms = true,
                 "rope" => f.rope = true,
+                "cluster" => f.cluster = true,
                 _ => return None,
             }
         }
@@ -442,8 +447,10 @@ mod fusion_tests {
         assert_eq!(Fusion::parse("0"), Some(Fusion::NONE));
         assert_eq!(Fusion::parse("1"), Some(Fusion::ALL));
         assert_eq!(Fusion::parse(" "), Some(Fusion::ALL));
-        assert_eq!(Fusion::parse("merge, norms"), Some(Fusion { split_merge: true, norms: true, rope: false }));
-        assert_eq!(Fusion::parse("rope"), Some(Fusion { split_merge: false, norms: false, rope: true }));
+        assert_eq!(Fusion::parse("merge, norms"), Some(Fusion { norms: true, split_merge: true, ..Fusion::NONE }));
+        assert_eq!(Fusion::parse("rope"), Some(Fusion { rope: true, ..Fusion::NONE }));
+        assert_eq!(Fusion::parse("merge,norms,rope"), Some(Fusion { cluster: false, ..Fusion::ALL }));
+        assert_eq!(Fusion::parse("merge,norms,rope,cluster"), Some(Fusion::ALL));
         assert_eq!(Fusion::parse("merge,typo"), None);
         assert_eq!(Fusion::parse("yes"), None);
     }

@@ -713,8 +713,17 @@ fn attention_every_head_dim() {
             for (&cap, splits) in capacities.iter().flat_map(|c| [(c, 1usize), (c, 5)]) {
                 let tc = cap >= plan::ATTN_TC_MIN_CAPACITY;
                 let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-                // Only the RoPE fusion differs (the norm fusion rounds differently by design).
-                for fusion in [Fusion::ALL, Fusion { rope: false, ..Fusion::ALL }] {
+                // Only the RoPE fusion and the split merge differ (the norm fusion rounds
+                // differently by design): RoPE inside the attention or not; the splits merged in a
+                // thread-block cluster (sm_90, up to 8 splits), by the last split block, or by the
+                // combine kernel. All bit-identical.
+                let fusions = [
+                    Fusion::ALL,
+                    Fusion { rope: false, ..Fusion::ALL },
+                    Fusion { cluster: false, ..Fusion::ALL },
+                    Fusion { cluster: false, split_merge: false, ..Fusion::ALL },
+                ];
+                for fusion in fusions {
                     let (_, _, mut r) = build(a, dtype, 5);
                     r.set_fusion(fusion);
                     r.init_sequence(1, cap).unwrap();
@@ -740,9 +749,10 @@ fn attention_every_head_dim() {
                         logits.push(got.clone());
                     }
                     println!(
-                        "ATTN hd {hd:<3} {:<4} cap {cap:<4} splits {splits} rope fused {:<5}: max rel err {worst:.2e} (tol {:.0e})",
+                        "ATTN hd {hd:<3} {:<4} cap {cap:<4} splits {splits} rope fused {:<5} merge {:<7}: max rel err {worst:.2e} (tol {:.0e})",
                         dtype.name(),
                         fusion.rope,
+                        r.last_attention_merge(),
                         tol(dtype)
                     );
                     if worst > tol(dtype) {
@@ -753,8 +763,10 @@ fn attention_every_head_dim() {
                     runs.push(logits);
                 }
                 let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
-                if bits(&runs[0]) != bits(&runs[1]) {
-                    failures.push(format!("hd {hd} {dtype:?} cap {cap} splits {splits}: fused RoPE not bit-identical"));
+                for (run, what) in runs[1..].iter().zip(["unfused RoPE", "ticket merge", "combine merge"]) {
+                    if bits(&runs[0]) != bits(run) {
+                        failures.push(format!("hd {hd} {dtype:?} cap {cap} splits {splits}: {what} not bit-identical"));
+                    }
                 }
             }
         }

@@ -584,7 +584,7 @@ fn fusions_match_the_unfused_step() {
             b.runner().set_fusion(f);
             host_logits(&mut b, p, 24, SHORT_CAPACITY)
         };
-        let only = |split_merge, rope| Fusion { split_merge, norms: false, rope };
+        let only = |split_merge, rope| Fusion { split_merge, rope, ..Fusion::NONE };
         for p in [&long[..], &long[..20]] {
             let plain = run(p, Fusion::NONE);
             let merged = run(p, only(true, false));
@@ -625,6 +625,63 @@ fn fusions_match_the_unfused_step() {
         let a = device_tokens(&mut on, &long[..100], 32, SHORT_CAPACITY, DeviceSampling::Greedy);
         let b = device_tokens(&mut off, &long[..100], 32, SHORT_CAPACITY, DeviceSampling::Greedy);
         assert_eq!(a, b, "{arch:?}: greedy tokens with and without fusion");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {
+    // Up to plan::ATTN_MAX_CLUSTER splits on sm_90, the split blocks of each head run as one
+    // thread-block cluster and merge through distributed shared memory. Against the last-block
+    // (ticket) merge and the separate combine kernel, over 6 and 8 splits (a long prompt: every
+    // split busy; a short one: empty splits), eager host-fed steps and graphed device-fed ones,
+    // bit for bit. Norm fusion on in all (it does not touch the merge).
+    init();
+    for arch in ARCHS {
+        let cfg = config(arch, false, 2);
+        let w = weights(&cfg, 63);
+        let long = prompt(300, cfg.vocab_size, 5);
+        for splits in [6, 8] {
+            let eager = |p: &[u32], f: Fusion, merge: &str| {
+                let mut b = tp1(&w);
+                b.runner().set_fusion(f);
+                let mut out = vec![b.prefill(p, SHORT_CAPACITY).unwrap()];
+                b.runner().set_attention_splits(0, splits).unwrap();
+                for _ in 0..24 {
+                    let next = argmax(out.last().unwrap());
+                    out.push(b.step(next).unwrap());
+                }
+                // The H200 is sm_90: the cluster merge really ran.
+                assert_eq!(b.runner().last_attention_merge(), merge, "{arch:?} {splits} splits");
+                out
+            };
+            for p in [&long[..], &long[..20]] {
+                let cluster = eager(p, Fusion::ALL, "cluster");
+                let ticket = eager(p, Fusion { cluster: false, ..Fusion::ALL }, "ticket");
+                let combine = eager(p, Fusion { cluster: false, split_merge: false, ..Fusion::ALL }, "combine");
+                for i in 1..cluster.len() {
+                    assert_eq!(bits(&cluster[i]), bits(&ticket[i]), "{arch:?} {splits} splits prompt {}: step {i}", p.len());
+                    assert_eq!(bits(&cluster[i]), bits(&combine[i]), "{arch:?} {splits} splits prompt {}: step {i}", p.len());
+                }
+                if p.len() == long.len() {
+                    // Graphed device-fed steps with the cluster merge vs the eager ticket merge.
+                    let mut g = tp1(&w);
+                    g.runner().set_fusion(Fusion::ALL);
+                    let l = g.prefill(p, SHORT_CAPACITY).unwrap();
+                    g.runner().set_attention_splits(0, splits).unwrap();
+                    g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
+                    for i in 0..24 {
+                        let got = g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+                        let mut l = Vec::new();
+                        g.runner().logits_to_host(&mut l).unwrap();
+                        assert_eq!(bits(&l), bits(&ticket[i + 1]), "{arch:?} {splits} splits: graphed step {i}");
+                        assert_eq!(got, vec![argmax(&ticket[i + 1])], "{arch:?}: graphed step {i} token");
+                    }
+                    assert_eq!(g.runner().last_attention_merge(), "cluster", "{arch:?} {splits} splits: graphed");
+                }
+            }
+            println!("{arch:?}: {splits} splits: cluster merge bit-identical to the ticket and combine merges");
+        }
     }
 }
 

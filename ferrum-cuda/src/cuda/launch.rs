@@ -12,7 +12,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
@@ -147,6 +147,8 @@ pub(crate) struct Launch<'a> {
     args: [*mut std::ffi::c_void; MAX_ARGS],
     n: usize,
     pdl: bool,
+    /// Blocks per thread-block cluster along y (the attention's splits), 0 for no cluster.
+    cluster_y: u32,
     /// When profiling ([`Kernels::marks`] is `Some`), an event is recorded after the launch.
     marks: &'a RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
 }
@@ -162,10 +164,18 @@ impl<'a> Launch<'a> {
         self
     }
 
+    /// Launches the blocks as thread-block clusters of `(1, y, 1)` blocks (the grid's y extent
+    /// must be a multiple of `y`; at most 8, the portable cluster size).
+    pub(crate) fn cluster_y(&mut self, y: u32) -> &mut Self {
+        self.cluster_y = y;
+        self
+    }
+
     /// Launches with `cuLaunchKernelEx` on the stream; with programmatic dependent launch
     /// allowed when the kernels were built for it (the compute_90 PTX, whose kernels all wait
     /// with `griddepcontrol.wait` before touching memory an earlier kernel writes; the GEMVs
-    /// load their first weight chunks before it: see `FERRUM_PDL_ENTRY` in common.cuh).
+    /// load their first weight chunks before it: see `FERRUM_PDL_ENTRY` in common.cuh), and
+    /// with the cluster shape set by [`Self::cluster_y`].
     ///
     /// # Safety
     /// The arguments must match the kernel's parameter list in number, order and type, and
@@ -176,11 +186,22 @@ impl<'a> Launch<'a> {
             return Err(DriverError(cu::CUresult::CUDA_ERROR_INVALID_VALUE));
         }
         self.stream.context().bind_to_thread()?;
-        // SAFETY: an all-zero CUlaunchAttribute is a valid (plain C) value; the union field
-        // written next is the one the PROGRAMMATIC_STREAM_SERIALIZATION id selects.
-        let mut attr: cu::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: an all-zero CUlaunchAttribute is a valid (plain C) value; each union field
+        // written below is the one its id selects.
+        let mut attrs: [cu::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n_attrs = 0;
+        if self.pdl {
+            attrs[n_attrs].id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if self.cluster_y > 0 {
+            attrs[n_attrs].id = cu::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim.x = 1;
+            attrs[n_attrs].value.clusterDim.y = self.cluster_y;
+            attrs[n_attrs].value.clusterDim.z = 1;
+            n_attrs += 1;
+        }
         let config = cu::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -190,10 +211,10 @@ impl<'a> Launch<'a> {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: if self.pdl { &mut attr } else { std::ptr::null_mut() },
-            numAttrs: u32::from(self.pdl),
+            attrs: if n_attrs > 0 { attrs.as_mut_ptr() } else { std::ptr::null_mut() },
+            numAttrs: n_attrs as u32,
         };
-        // SAFETY: `config` and `attr` live across the call; `args[..n]` point to argument values
+        // SAFETY: `config` and `attrs` live across the call; `args[..n]` point to argument values
         // borrowed for 'a (alive), matching the kernel's parameters per this function's
         // contract; the function belongs to the stream's context (loaded in `Kernels::load`).
         unsafe { cu::cuLaunchKernelEx(&config, self.func.cu_function(), self.args.as_mut_ptr(), std::ptr::null_mut()) }
@@ -240,7 +261,7 @@ pub(crate) struct AttnRope<'a> {
     pub inv_freq: Region<'a, f32>,
     pub eps: f32,
     /// Copy the split's past K/V rows to shared memory before the programmatic-launch wait
-    /// (`plan::attn_warps` says when; the launch then gets `plan::attn_early_bytes` of dynamic
+    /// (`plan::attn_warps` says when; the launch then gets `plan::attn_dyn_bytes` of dynamic
     /// shared memory).
     pub early: bool,
 }
@@ -251,6 +272,13 @@ pub(crate) struct AttnRope<'a> {
 /// programmatic-launch wait): hidden 576 (135M) +15%, 2048 (1B) +5%, 4096 (8B) −10%, so
 /// wider models keep the separate add + RMSNorm kernels.
 pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
+
+/// The row-walking decode attention kernels (attention.cu's `attn_impl`), whose launches take
+/// the dynamic shared memory of `plan::attn_dyn_bytes`.
+fn is_decode_attention(k: Kernel) -> bool {
+    use Kernel::*;
+    matches!(k, AttnF16 | AttnBf16 | AttnRopeF16 | AttnRopeBf16 | AttnRopeEarlyF16 | AttnRopeEarlyBf16)
+}
 
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
@@ -266,6 +294,10 @@ pub(crate) struct Kernels {
     /// Decode steps merge the split-KV partials in the attention kernel's last split block
     /// (else in a combine kernel; bit-identical either way).
     pub(crate) fuse_merge: bool,
+    /// With `fuse_merge` on the compute_90 kernels (`pdl`) and at most
+    /// `plan::ATTN_MAX_CLUSTER` splits, the split blocks of each head run as one thread-block
+    /// cluster and merge through distributed shared memory (bit-identical).
+    pub(crate) fuse_cluster: bool,
     /// One-GPU decode steps fuse the residual adds and RMSNorms into the projections (gemv.cu's
     /// `_res` / `_norm` kernels; the same math, other f32 rounding).
     pub(crate) fuse_norms: bool,
@@ -289,6 +321,9 @@ pub(crate) struct Kernels {
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
     pub(crate) marks: RefCell<Option<Vec<(&'static str, CudaEvent)>>>,
+    /// How the last decode step's attention merged its splits (for tests): `"none"` (one
+    /// split), `"cluster"`, `"ticket"` or `"combine"`.
+    pub(crate) last_merge: Cell<&'static str>,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -387,6 +422,13 @@ impl Kernels {
             // error, and it keeps compute-sanitizer's API-error log clean).
             let i = set.iter().position(|(n, _)| *n == k.module()).ok_or(Error::MissingKernel(k.name()))?;
             let f = modules[i].load_function(k.name()).map_err(|_| Error::MissingKernel(k.name()))?;
+            if is_decode_attention(*k) {
+                // The cluster merge buffer and the early copies can take the static and dynamic
+                // shared memory past the 48 KiB a block gets without opting in.
+                let max = crate::plan::attn_max_dyn_bytes() as i32;
+                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max)
+                    .map_err(Error::driver("attention shared memory size"))?;
+            }
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
@@ -395,7 +437,7 @@ impl Kernels {
             Err(_) => Fusion::ALL,
             Ok(v) => Fusion::parse(&v).ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope"
+                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope, cluster"
                 ))
             })?,
         };
@@ -425,6 +467,7 @@ impl Kernels {
             gemv_table: GemvTable::new(),
             pdl,
             fuse_merge: fusion.split_merge,
+            fuse_cluster: fusion.cluster,
             fuse_norms: fusion.norms,
             fuse_rope: fusion.rope,
             norms_max_hidden,
@@ -432,6 +475,7 @@ impl Kernels {
             gemv_max_ks,
             attn_tc_min_capacity,
             marks: RefCell::new(None),
+            last_merge: Cell::new("none"),
         })
     }
 
@@ -444,6 +488,7 @@ impl Kernels {
             args: [std::ptr::null_mut(); MAX_ARGS],
             n: 0,
             pdl: self.pdl,
+            cluster_y: 0,
             marks: &self.marks,
         }
     }
@@ -606,11 +651,14 @@ impl Kernels {
     }
 
     /// Attention of `n_tok` query rows (row stride `q_stride`) over one layer's cache. With
-    /// `n_splits == 1` writes `out` directly; else writes partials, which the last split block
-    /// of each (token, head) merges into `out` when `counters` is not null, and
-    /// [`Self::attn_combine`] otherwise. With `rope` (one decode token only) `q` is the raw qkv
-    /// row and the kernel also does [`Self::rope_qkv`]'s work, appending the new K/V row to the
-    /// caches (`ferrum_attn_rope_*`, bit-identical to the two launches).
+    /// `n_splits == 1` writes `out` directly; else the splits' partials are merged into `out`:
+    /// with `cluster` by the split blocks of each (token, head), launched as one thread-block
+    /// cluster, through distributed shared memory (`plan::attn_cluster` must allow it); else
+    /// through `part_acc` / `part_ml` by the last split block of each (token, head) when
+    /// `counters` is not null, and by [`Self::attn_combine`] otherwise. With `rope` (one decode
+    /// token only) `q` is the raw qkv row and the kernel also does [`Self::rope_qkv`]'s work,
+    /// appending the new K/V row to the caches (`ferrum_attn_rope_*`, bit-identical to the two
+    /// launches).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
@@ -627,11 +675,15 @@ impl Kernels {
         n_tok: usize,
         n_splits: usize,
         warps: u32,
+        cluster: bool,
         heads: usize,
         kv_heads: usize,
         head_dim: usize,
         capacity: usize,
     ) -> Result<()> {
+        if cluster && !crate::plan::attn_cluster(n_splits, self.pdl) {
+            return Err(Error::Internal(format!("attn: a cluster merge of {n_splits} splits (pdl {})", self.pdl)));
+        }
         if !crate::spec::SUPPORTED_HEAD_DIMS.contains(&head_dim) || warps == 0 || warps > ATTN_MAX_WARPS {
             return Err(Error::Internal(format!("attn: head_dim {head_dim}, warps {warps}")));
         }
@@ -648,14 +700,14 @@ impl Kernels {
         let pq = q.need((n_tok - 1) * q_stride + heads * head_dim, "attn q")?;
         let pk = k_cache.need(kv_heads * capacity * head_dim, "attn k cache")?;
         let pv = v_cache.need(kv_heads * capacity * head_dim, "attn v cache")?;
-        // With several splits and non-null `counters`, the last split block of each (token,
-        // head) merges the partials into `out` itself (zeroed counters, reset after each use).
+        // With several splits and non-null `counters` (or `cluster`), the split blocks merge the
+        // partials into `out` themselves (zeroed counters, reset after each use).
         let (po, pa, pm, pc) = if n_splits == 1 {
             (out.need(n_tok * heads * head_dim, "attn out")?, 0u64, 0u64, 0u64)
         } else {
             let pc = counters.opt(n_tok * heads, "attn counters")?;
             (
-                if pc == 0 { 0u64 } else { out.need(n_tok * heads * head_dim, "attn out")? },
+                if pc == 0 && !cluster { 0u64 } else { out.need(n_tok * heads * head_dim, "attn out")? },
                 part_acc.need(n_tok * heads * n_splits * head_dim, "attn part_acc")?,
                 part_ml.need(n_tok * heads * n_splits * 2, "attn part_ml")?,
                 pc,
@@ -705,13 +757,21 @@ impl Kernels {
         }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
         let mut c = cfg(grid, 32 * warps);
-        c.shared_mem_bytes = crate::plan::attn_early_bytes(warps, early);
+        c.shared_mem_bytes = crate::plan::attn_dyn_bytes(warps, early, cluster, n_splits, head_dim);
+        if cluster {
+            b.cluster_y(grid.1);
+        }
         // SAFETY: block (h, s, t) reads the f32 q[t*q_stride + h*hd .. +hd) and cache rows
         // [kvh][0 .. min(pos+t+1, capacity)) (the kernel clamps to capacity), and writes
         // either the f32 out[t][h*hd .. +hd) (one split) or partials at
         // ((t*heads + h)*n_splits + s); with counters, it increments counters[t*heads + h] and
         // the last block of (t, h) reads those partials and writes out[t][h*hd .. +hd)
-        // (n_splits <= MAX_SPLITS, the size of the merge's shared weight arrays); all
+        // (n_splits <= MAX_SPLITS, the size of the merge's shared weight arrays); with
+        // `cluster` (2..=ATTN_MAX_CLUSTER splits, the compute_90 kernels: checked above) the
+        // blocks of each (h, t) form one cluster of n_splits blocks along y, each writes its
+        // partial into the merge buffer of the cluster's first block (attn_merge_bytes at the
+        // start of the dynamic shared memory, which attn_dyn_bytes includes; the kernel checks
+        // %dynamic_smem_size) and that block writes out[t][h*hd .. +hd); all
         // extents checked above; the unused outputs are null and never touched; signature
         // (const f32*, int, const T*, const T*, f32*, f32*, f32*, u32*, const u32*, int x4,
         // float) matches. With rope (one token, q the whole raw row, checked above) the kernel
@@ -722,7 +782,8 @@ impl Kernels {
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
         // follow in that order. The early copies (rope with `early`: the `_early` kernel, same
         // signature) write only the launch's dynamic shared memory, 2 * ATTN_EARLY_ROWS
-        // 16-byte chunks per thread, which is what attn_early_bytes gives (the kernel checks
+        // 16-byte chunks per thread after the merge buffer, which is what attn_dyn_bytes gives,
+        // within the attn_max_dyn_bytes the kernels were allowed at load (the kernel checks
         // %dynamic_smem_size before using it). The fused kernels read pos[0] and (`_early`)
         // cache rows below pos before their programmatic-launch wait: those were written by
         // kernels that have completed by then (attention.cu gives the argument), and the

@@ -1234,9 +1234,18 @@ impl CudaDecodeRunner {
     #[doc(hidden)]
     pub fn set_fusion(&mut self, f: Fusion) {
         self.k.fuse_merge = f.split_merge;
+        self.k.fuse_cluster = f.cluster;
         self.k.fuse_norms = f.norms;
         self.k.fuse_rope = f.rope;
         self.generation += 1;
+    }
+
+    /// How the last decode step's attention merged its KV splits: `"none"` (one split),
+    /// `"cluster"` (distributed shared memory in a thread-block cluster), `"ticket"` (the last
+    /// split block, through global memory) or `"combine"` (a separate kernel). For tests.
+    #[doc(hidden)]
+    pub fn last_attention_merge(&self) -> &'static str {
+        self.k.last_merge.get()
     }
 
     /// Sets how many KV splits `seq`'s decode attention uses (normally chosen from the capacity
@@ -1464,6 +1473,17 @@ fn forward(
     // Several splits (decode only, one token): the row-walking kernel's last split block merges
     // them when fused; otherwise (fusion off, or the tensor-core kernel) a combine kernel does.
     let fused_merge = k.fuse_merge && splits > 1 && n == 1 && !tensor_core;
+    // At most plan::ATTN_MAX_CLUSTER splits on the compute_90 kernels (k.pdl): the split blocks
+    // of each head run as one thread-block cluster and merge through distributed shared memory.
+    let cluster_merge = fused_merge && k.fuse_cluster && crate::plan::attn_cluster(splits, k.pdl);
+    if decode {
+        k.last_merge.set(match (splits > 1, cluster_merge, fused_merge) {
+            (false, _, _) => "none",
+            (true, true, _) => "cluster",
+            (true, false, true) => "ticket",
+            (true, false, false) => "combine",
+        });
+    }
     for (li, lw) in w.layers.iter().enumerate() {
         if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
@@ -1564,6 +1584,7 @@ fn forward(
                 n,
                 splits,
                 attn_warps,
+                cluster_merge,
                 s.heads,
                 s.kv_heads,
                 s.head_dim,
