@@ -91,14 +91,18 @@ __device__ __forceinline__ unsigned long long peer_clock_ns() {
     return t;
 }
 
+// One 8-byte payload word of a line: L = 8 / sizeof(T) values of T, or the word itself.
+template <typename T> union PeerWord {
+    static constexpr int L = 8 / sizeof(T);
+    T v[L];
+    uint2 w;
+};
+
 // The 8-byte payload of line l of src[0..n): values l*L .. l*L + L - 1 (L = 8 / sizeof(T)),
 // zero past n (never read past it).
 template <typename T> __device__ __forceinline__ uint2 peer_payload(const T *src, int l, int n) {
-    constexpr int L = 8 / sizeof(T);
-    union {
-        T v[L];
-        uint2 w;
-    } u;
+    constexpr int L = PeerWord<T>::L;
+    PeerWord<T> u;
     u.w = make_uint2(0u, 0u);
     const int i0 = l * L;
     if (i0 + L <= n && (reinterpret_cast<uintptr_t>(src) & 7) == 0) {
@@ -113,11 +117,7 @@ template <typename T> __device__ __forceinline__ uint2 peer_payload(const T *src
 
 // Value j of a payload.
 template <typename T> __device__ __forceinline__ float peer_value(uint2 w, int j) {
-    constexpr int L = 8 / sizeof(T);
-    union {
-        T v[L];
-        uint2 w;
-    } u;
+    PeerWord<T> u;
     u.w = w;
     return to_f(u.v[j]);
 }

@@ -660,8 +660,18 @@ fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {
                 let ticket = eager(p, Fusion { cluster: false, ..Fusion::ALL }, "ticket");
                 let combine = eager(p, Fusion { cluster: false, split_merge: false, ..Fusion::ALL }, "combine");
                 for i in 1..cluster.len() {
-                    assert_eq!(bits(&cluster[i]), bits(&ticket[i]), "{arch:?} {splits} splits prompt {}: step {i}", p.len());
-                    assert_eq!(bits(&cluster[i]), bits(&combine[i]), "{arch:?} {splits} splits prompt {}: step {i}", p.len());
+                    assert_eq!(
+                        bits(&cluster[i]),
+                        bits(&ticket[i]),
+                        "{arch:?} {splits} splits prompt {}: step {i}",
+                        p.len()
+                    );
+                    assert_eq!(
+                        bits(&cluster[i]),
+                        bits(&combine[i]),
+                        "{arch:?} {splits} splits prompt {}: step {i}",
+                        p.len()
+                    );
                 }
                 if p.len() == long.len() {
                     // Graphed device-fed steps with the cluster merge vs the eager ticket merge.
