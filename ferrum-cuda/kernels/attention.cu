@@ -23,9 +23,10 @@ __device__ __forceinline__ void rope_angle(uint32_t pos, float inv_f, float &c, 
     c = (float)cd;
 }
 
-// What RoPE pair i of one head needs besides the pair itself, none of it written by any kernel
-// (so the fused attention loads it before its wait): the bias of the pair, the head norm's
-// weights, and the angle's cosine and sine (rope_angle).
+// What RoPE pair i of one head needs besides the pair itself, none of it written by any kernel:
+// the bias of the pair, the head norm's weights, and the angle's cosine and sine (rope_angle;
+// the fused attention computes the angle before its wait and loads the rest after it, together
+// with the new token's row).
 struct RopeConsts {
     bool bias, norm, rotate;  // uniform over the block
     float ba, bb, na, nb, c, sn;
@@ -199,7 +200,7 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 //    block 0 (st.shared::cluster), then every thread arrives with release semantics and waits
 //    with acquire semantics: once the wait returns, every block's stores are visible to block 0;
 // 4. block 0 merges from its own shared memory; the others exit, and none of their shared
-//    memory is read by anyone. Block 0 exits last, after its reads.
+//    memory is read by anyone (block 0's lives until its own reads are done).
 // No thread of the cluster returns before step 3's barrier, so every phase completes.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define FERRUM_HAS_CLUSTER 1

@@ -710,7 +710,8 @@ fn attention_every_head_dim() {
             if plan::attn_tensor_core(hd, a.heads, a.kv_heads, plan::ATTN_TC_MIN_CAPACITY, plan::ATTN_TC_MIN_CAPACITY) {
                 capacities.push(plan::ATTN_TC_MIN_CAPACITY);
             }
-            for (&cap, splits) in capacities.iter().flat_map(|c| [(c, 1usize), (c, 5)]) {
+            // 8 splits: the largest cluster (plan::ATTN_MAX_CLUSTER).
+            for (&cap, splits) in capacities.iter().flat_map(|c| [(c, 1usize), (c, 5), (c, 8)]) {
                 let tc = cap >= plan::ATTN_TC_MIN_CAPACITY;
                 let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
                 // Only the RoPE fusion and the split merge differ (the norm fusion rounds
