@@ -9,7 +9,9 @@
 // - `_norm`: the input is the residual stream x and the projection applies RMSNorm on the
 //   way in: acc = W . (x * norm_w) and ss = sum(x^2) accumulate in the same loop, then
 //   y = acc * rsqrt(ss / cols + eps) (the norm's scalar commutes with the dot product).
-// - `_res`: the residual add on the way out: y[r] += W[r] . x (y is the residual stream).
+// - `_res`: the residual add on the way out: y[r] += W[r] . x (y is the residual stream; its
+//   old value is read before the programmatic-launch wait, so the kernel before this one must
+//   not write y: see gemv()).
 #include "common.cuh"
 
 __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
@@ -72,6 +74,15 @@ __device__ __forceinline__ uint4 ldg_early(const uint4 *p) {
     return v;
 }
 
+// RES: one fp32 value of the residual stream y, loaded before the programmatic-launch wait. An
+// L2 load (.cg: an SM's L1 may still hold the line from a kernel that read it before it was
+// last written) in asm volatile, so that it stays ahead of the wait (see ldg_early).
+__device__ __forceinline__ float ld_early_cg(const float *p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // Chunks per lane loaded before the programmatic-launch wait, while the previous kernel
 // finishes: 8 16-byte loads per lane either way. The main loop keeps as many in flight (unrolled
 // 4 times with 2 rows, twice with 4: more makes ptxas spill, which `cargo xtask ptx --check`
@@ -130,7 +141,19 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) pre[u][r] = vec && c < n8 ? ldg_early(w4[r] + c) : make_uint4(0, 0, 0, 0);
     }
-    FERRUM_PDL_ENTRY();  // x (and y for RES) come from earlier kernels
+    // RES: the writing lane's old values of y, loaded before the wait too, so that the
+    // epilogue's read-modify-write costs no L2 round trip after the dot products. The caller
+    // guarantees that the kernel launched just before this one does not write y (the decode
+    // step: the attention precedes the o projection, gate|up the down projection). Every
+    // decode kernel waits before it lets its dependent launch (common.cuh), so when this grid
+    // starts, every kernel before that one has completed and its writes to y are visible.
+    // Lane 0 of warp kw == 0 is the only thread that writes this warp's outputs, and it reads
+    // them nowhere else, so the early value is the one the add would have read.
+    float y_old[OUT];
+#pragma unroll
+    for (int j = 0; j < OUT; ++j)
+        y_old[j] = RES && lane == 0 && kw == 0 && o0 + j < rows ? ld_early_cg(y + o0 + j) : 0.0f;
+    FERRUM_PDL_ENTRY();  // x comes from the previous kernel
     if (vec) {
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
 #pragma unroll
@@ -195,7 +218,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             if (o0 + j < rows) {
                 const float v = GATEUP ? silu_mul_f(acc[j], acc[OUT + j]) : acc[j];
                 if (RES)
-                    y[o0 + j] += v;
+                    y[o0 + j] = y_old[j] + v;  // the same fp32 add as y[o0 + j] += v
                 else
                     y[o0 + j] = v;
             }

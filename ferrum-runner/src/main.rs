@@ -74,6 +74,11 @@ fn main() {
     if std::env::var_os(ferrum_runner::NVLS_ENV).is_none() {
         std::env::set_var(ferrum_runner::NVLS_ENV, "0");
     }
+    // Log lines (the GEMV variants chosen at start-up, the kernel settings, ...) go to stderr
+    // when RUST_LOG asks for them, e.g. `RUST_LOG=ferrum_cuda=debug`; warnings otherwise.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Generate(a) => run_generate(a),

@@ -5,13 +5,19 @@
 // A stand-alone CUDA program (not part of the build; the GPU machine has nvcc):
 //   nvcc -O3 -arch=sm_90a -o /tmp/boundary scripts/microbench/boundary.cu && /tmp/boundary
 //
-// Every variant runs STEPS dependent steps. A step reads the previous step's output (N floats,
-// one L2 round trip: the shape of a decode kernel's input) and writes its own:
+// Every variant runs STEPS dependent steps; a step's body is nothing (`empty`), one read of the
+// previous step's output and one write per thread (`read`), or a GEMV's tail: two float4 of
+// the input per lane, a warp sum, one store per warp (`gemv`):
 // - chain:      one kernel per step, STEPS kernels captured into one graph, launched with
 //               programmatic dependent launch (griddepcontrol.wait first, then
-//               launch_dependents, as ferrum's kernels do) or without it;
-// - persistent: one kernel of G co-resident blocks, a grid barrier between steps.
+//               launch_dependents, as ferrum's kernels do) or without it, for several
+//               (blocks x threads) shapes;
+// - persistent: one kernel of G co-resident blocks, a grid barrier between steps;
+// - weights:    the gemv step that also loads two 16-byte weight chunks per thread before its
+//               wait, the weights in L2 (one region reused) or in DRAM (a new region per step).
 // Each figure is the graph's (or kernel's) time divided by STEPS, the median of REPS launches.
+// Results (H200, session 16): docs/bench/2026-11-30-session16/call{2,3,5}-boundary.txt and
+// docs/PERF.md.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -90,6 +96,48 @@ __global__ void persistent_kernel(float *a, float *b, unsigned *count, unsigned 
     }
 }
 
+// A GEMV-shaped step whose weights are loaded before the programmatic-launch wait, as
+// ferrum's GEMVs do: each thread loads two 16-byte chunks of W (weak loads in asm volatile, so
+// they stay ahead of the wait), waits, reads the previous step's output, and folds both into
+// one warp sum. W = base + step * stride: stride 0 reuses one region (it stays in L2), a stride
+// of the region's size walks a buffer larger than L2 (every step's weights come from DRAM).
+__global__ void weights_step(const uint4 *w, const float *in, float *out) {
+    const int gt = blockIdx.x * blockDim.x + threadIdx.x, nt = gridDim.x * blockDim.x;
+    uint4 a, b;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a.x), "=r"(a.y), "=r"(a.z), "=r"(a.w)
+                 : "l"(w + gt));
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(b.x), "=r"(b.y), "=r"(b.z), "=r"(b.w)
+                 : "l"(w + nt + gt));
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    const float4 *in4 = reinterpret_cast<const float4 *>(in);
+    const int lane = threadIdx.x & 31, c = (2 * lane) % (N / 4);
+    const float4 x = in4[c];
+    float v = x.x * __uint_as_float(a.x ^ b.x) + x.y * __uint_as_float(a.y ^ b.y) +
+              x.z * __uint_as_float(a.z ^ b.z) + x.w * __uint_as_float(a.w ^ b.w);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) out[(gt >> 5) % N] = v * 1e-30f;
+}
+
+// One step's launch, captured into the graph: g blocks of th threads, with programmatic
+// dependent launch when `pdl`.
+template <typename... Args>
+static void launch(cudaStream_t st, int g, int th, bool pdl, void (*kernel)(Args...), Args... args) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(g);
+    cfg.blockDim = dim3(th);
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
 static float median(std::vector<float> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
@@ -140,20 +188,9 @@ int main() {
                 cudaGraph_t graph;
                 cudaGraphExec_t exec;
                 CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int s = 0; s < STEPS; ++s) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(g);
-                    cfg.blockDim = dim3(th);
-                    cfg.stream = st;
-                    cudaLaunchAttribute attr[1];
-                    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    attr[0].val.programmaticStreamSerializationAllowed = 1;
-                    cfg.attrs = attr;
-                    cfg.numAttrs = pdl ? 1 : 0;
-                    const float *in = s % 2 ? b : a;
-                    float *out = s % 2 ? a : b;
-                    CHECK(cudaLaunchKernelEx(&cfg, step_kernel, in, out, touch, pdl));
-                }
+                for (int s = 0; s < STEPS; ++s)
+                    launch(st, g, th, pdl != 0, step_kernel, (const float *)(s % 2 ? b : a), s % 2 ? a : b, touch,
+                           pdl);
                 CHECK(cudaStreamEndCapture(st, &graph));
                 CHECK(cudaGraphInstantiate(&exec, graph, 0));
                 std::printf("chain      blocks %4d x %4d  pdl %d  %-6s %6.2f us per step\n", g, th, pdl,
@@ -178,6 +215,34 @@ int main() {
             CHECK(cudaGraphExecDestroy(exec));
             CHECK(cudaGraphDestroy(graph));
         }
+    }
+    // Weights before the wait: from L2 (one region reused) or from DRAM (a new region every
+    // step, STEPS regions: larger than the 50 MB L2 for every grid below).
+    {
+        const int wshapes[][2] = {{36, 256}, {sms, 128}, {sms, 256}, {2 * sms, 256}, {4 * sms, 256}};
+        const size_t max_region = (size_t)4 * sms * 256 * 2;  // uint4 per step, largest grid
+        uint4 *w;
+        CHECK(cudaMalloc(&w, max_region * STEPS * sizeof(uint4)));
+        CHECK(cudaMemset(w, 0, max_region * STEPS * sizeof(uint4)));
+        for (auto &sh : wshapes) {
+            const int g = sh[0], th = sh[1];
+            const size_t region = (size_t)g * th * 2;
+            for (int dram = 0; dram < 2; ++dram) {
+                cudaGraph_t graph;
+                cudaGraphExec_t exec;
+                CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int s = 0; s < STEPS; ++s)
+                    launch(st, g, th, true, weights_step, (const uint4 *)(w + (dram ? (size_t)s * max_region : 0)),
+                           (const float *)(s % 2 ? b : a), s % 2 ? a : b);
+                CHECK(cudaStreamEndCapture(st, &graph));
+                CHECK(cudaGraphInstantiate(&exec, graph, 0));
+                std::printf("weights    blocks %4d x %4d  pdl 1  %-6s %6.2f us per step (%zu KiB of weights)\n", g,
+                            th, dram ? "dram" : "l2", time_graph(exec, st), region * 16 / 1024);
+                CHECK(cudaGraphExecDestroy(exec));
+                CHECK(cudaGraphDestroy(graph));
+            }
+        }
+        CHECK(cudaFree(w));
     }
     CHECK(cudaDeviceSynchronize());
     return 0;

@@ -340,7 +340,10 @@ pub(crate) enum GemvIo<'a> {
     /// `y = W (RMSNorm(x) * w)`: x is the fp32 residual stream, `w` the norm weight (`cols`
     /// elements, in the dtype).
     Norm { w: Region<'a, u16>, eps: f32 },
-    /// `y += W x`: y is the fp32 residual stream (the residual add fused in).
+    /// `y += W x`: y is the fp32 residual stream (the residual add fused in). The kernel reads
+    /// y's old values before its programmatic-launch wait, so the kernel launched just before
+    /// it on the stream must not write y (in the decode step the attention precedes the o
+    /// projection and gate|up the down projection; gemv.cu's `gemv` gives the argument).
     AddTo,
 }
 
