@@ -564,6 +564,34 @@ fn device_fed_calls_refuse_bad_input() {
 /// (RoPE and the split merge inside it), which the fusion checks need.
 const SHORT_CAPACITY: usize = ferrum_cuda::plan::ATTN_TC_MIN_CAPACITY - 24;
 
+/// Graphed device-fed greedy steps with every fusion on (and `splits` KV splits when given),
+/// after a prefill of `p`, bit for bit against the eager host-fed logits `want` (`want[0]` the
+/// prefill's, `want[i + 1]` step i's): each step's logits and its greedy token. Returns the
+/// backend, for checks on how the steps ran.
+fn assert_graphed_steps_match(
+    w: &ModelWeights,
+    p: &[u32],
+    splits: Option<usize>,
+    want: &[Vec<f32>],
+    what: &str,
+) -> CudaBackend {
+    let mut g = tp1(w);
+    g.runner().set_fusion(Fusion::ALL);
+    let l = g.prefill(p, SHORT_CAPACITY).unwrap();
+    if let Some(n) = splits {
+        g.runner().set_attention_splits(0, n).unwrap();
+    }
+    g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
+    for (i, want) in want[1..].iter().enumerate() {
+        let got = g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+        let mut l = Vec::new();
+        g.runner().logits_to_host(&mut l).unwrap();
+        assert_eq!(bits(&l), bits(want), "{what}: graphed step {i} logits");
+        assert_eq!(got, vec![argmax(want)], "{what}: graphed step {i} token");
+    }
+    g
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fusions_match_the_unfused_step() {
@@ -605,17 +633,7 @@ fn fusions_match_the_unfused_step() {
         println!("{arch:?}: split merge bit-identical; fused norms vs unfused worst rel err {worst:.2e}");
         assert!(worst <= 1e-3, "{arch:?}: fused norms: {worst:.3e}");
         // Graphed device-fed steps with every fusion on vs the eager host-fed ones, bit for bit.
-        let mut g = tp1(&w);
-        g.runner().set_fusion(Fusion::ALL);
-        let l = g.prefill(&long, SHORT_CAPACITY).unwrap();
-        g.rank().device_begin(0, argmax(&l), long.len()).unwrap();
-        for i in 0..24 {
-            let got = g.rank().device_steps(0, long.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
-            let mut l = Vec::new();
-            g.runner().logits_to_host(&mut l).unwrap();
-            assert_eq!(bits(&l), bits(&all[i + 1]), "{arch:?}: graphed fused step {i} logits");
-            assert_eq!(got, vec![argmax(&all[i + 1])], "{arch:?}: graphed fused step {i} token");
-        }
+        assert_graphed_steps_match(&w, &long, None, &all, &format!("{arch:?} fused"));
         // Peaked logits: the greedy tokens must not depend on the fusion.
         let pw = peaked(weights(&cfg, 62), 30.0);
         let mut on = tp1(&pw);
@@ -675,19 +693,9 @@ fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {
                 }
                 if p.len() == long.len() {
                     // Graphed device-fed steps with the cluster merge vs the eager ticket merge.
-                    let mut g = tp1(&w);
-                    g.runner().set_fusion(Fusion::ALL);
-                    let l = g.prefill(p, SHORT_CAPACITY).unwrap();
-                    g.runner().set_attention_splits(0, splits).unwrap();
-                    g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
-                    for i in 0..24 {
-                        let got = g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
-                        let mut l = Vec::new();
-                        g.runner().logits_to_host(&mut l).unwrap();
-                        assert_eq!(bits(&l), bits(&ticket[i + 1]), "{arch:?} {splits} splits: graphed step {i}");
-                        assert_eq!(got, vec![argmax(&ticket[i + 1])], "{arch:?}: graphed step {i} token");
-                    }
-                    assert_eq!(g.runner().last_attention_merge(), "cluster", "{arch:?} {splits} splits: graphed");
+                    let what = format!("{arch:?} {splits} splits");
+                    let mut g = assert_graphed_steps_match(&w, p, Some(splits), &ticket, &what);
+                    assert_eq!(g.runner().last_attention_merge(), "cluster", "{what}: graphed");
                 }
             }
             println!("{arch:?}: {splits} splits: cluster merge bit-identical to the ticket and combine merges");
