@@ -75,9 +75,17 @@ fn main() {
         std::env::set_var(ferrum_runner::NVLS_ENV, "0");
     }
     // Log lines (the GEMV variants chosen at start-up, the kernel settings, ...) go to stderr
-    // when RUST_LOG asks for them, e.g. `RUST_LOG=ferrum_cuda=debug`; warnings otherwise.
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // when RUST_LOG asks for them, e.g. `RUST_LOG=ferrum_cuda=debug`; warnings otherwise. A
+    // RUST_LOG that does not parse is reported and replaced by the default: logging settings
+    // never stop a run.
+    use tracing_subscriber::EnvFilter;
+    let filter = match std::env::var("RUST_LOG") {
+        Err(_) => EnvFilter::new("warn"),
+        Ok(v) => EnvFilter::try_new(&v).unwrap_or_else(|e| {
+            eprintln!("warning: ignoring RUST_LOG={v:?} ({e}); logging warnings only");
+            EnvFilter::new("warn")
+        }),
+    };
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let r = match cli.cmd {

@@ -68,6 +68,26 @@ fn bad_flags_are_clear_errors() {
 }
 
 #[test]
+fn a_bad_rust_log_is_reported_and_ignored() {
+    let with_log = |v: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+            .args(["generate", "--help"])
+            .env("RUST_LOG", v)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "RUST_LOG={v}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("Usage"));
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let err = with_log("ferrum_cuda=loudest");
+    assert!(err.contains("ignoring RUST_LOG=\"ferrum_cuda=loudest\""), "{err}");
+    // A valid one is taken without a word.
+    let err = with_log("ferrum_cuda=debug");
+    assert!(!err.contains("RUST_LOG"), "{err}");
+}
+
+#[test]
 fn bad_model_files_name_the_file() {
     let dir = tempfile::tempdir().unwrap();
     let missing = dir.path().join("nope.gguf");
