@@ -399,7 +399,7 @@ pub struct Fusion {
     /// The attention kernel's last split block merges the split-KV partials (else a combine
     /// kernel does; bit-identical either way).
     pub split_merge: bool,
-    /// Residual adds and RMSNorms inside the projections (one GPU, hidden <= 2048 only: the
+    /// Residual adds and RMSNorms inside the projections (one GPU, hidden <= 4096 only: the
     /// same math with other f32 rounding).
     pub norms: bool,
     /// RoPE and the K/V append inside the decode attention kernel (bit-identical).

@@ -268,10 +268,11 @@ pub(crate) struct AttnRope<'a> {
 
 /// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs,
 /// unless `FERRUM_FUSED_NORMS_MAX_HIDDEN` says otherwise. Measured on an H200 (bf16, `ferrum
-/// bench`, fused vs `FERRUM_FUSE=0`, session 9, before the GEMVs loaded weights ahead of the
-/// programmatic-launch wait): hidden 576 (135M) +15%, 2048 (1B) +5%, 4096 (8B) −10%, so
-/// wider models keep the separate add + RMSNorm kernels.
-pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 2048;
+/// bench`): session 9, fused vs `FERRUM_FUSE=0`, hidden 576 (135M) +15%, 2048 (1B) +5%, 4096
+/// (8B) −10%; session 16, after the `_res` GEMVs learned to load the residual stream before the
+/// programmatic-launch wait, 4096 fused vs unfused +3.4% (median of four alternating rounds).
+/// Wider models (8192) are unmeasured and keep the separate add + RMSNorm kernels.
+pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 4096;
 
 /// The row-walking decode attention kernels (attention.cu's `attn_impl`), whose launches take
 /// the dynamic shared memory of `plan::attn_dyn_bytes`.
