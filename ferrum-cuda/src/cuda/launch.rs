@@ -314,6 +314,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
+    /// `FERRUM_GEMV_VARIANT`: one launch variant (an index into [`GEMV_VARIANTS`]) for every
+    /// GEMV shape instead of the start-up tuning's per-shape choice.
+    pub(crate) gemv_variant: Option<usize>,
     /// Decode over caches of at least this many rows takes the tensor-core attention
     /// (`plan::attn_tensor_core`; `plan::ATTN_TC_MIN_CAPACITY`, or
     /// `FERRUM_ATTN_TC_MIN_CAPACITY`).
@@ -451,6 +454,7 @@ impl Kernels {
         let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
+        let gemv_variant = knob("FERRUM_GEMV_VARIANT", 0, GEMV_VARIANTS.len() - 1)?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
         tracing::debug!(
@@ -458,6 +462,7 @@ impl Kernels {
             ?fusion,
             norms_max_hidden,
             ?attn_splits,
+            ?gemv_variant,
             gemv_max_ks,
             attn_tc_min_capacity,
             "kernels loaded"
@@ -476,6 +481,7 @@ impl Kernels {
             fuse_rope: fusion.rope,
             norms_max_hidden,
             attn_splits,
+            gemv_variant,
             gemv_max_ks,
             attn_tc_min_capacity,
             marks: RefCell::new(None),

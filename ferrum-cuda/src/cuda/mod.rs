@@ -1319,6 +1319,11 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
         // variants timed here all share it, so the choice changes speed only.
         let ks = gemv_split_k(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks);
+        if let Some(i) = k.gemv_variant {
+            // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
+            k.gemv_table.insert(key, GemvVariant { ks, ..GEMV_VARIANTS[i] });
+            continue;
+        }
         let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
         for v in GEMV_VARIANTS {
             let v = GemvVariant { ks, ..v };
