@@ -69,6 +69,15 @@ pub fn gemv_split_k_cap(value: Option<&str>) -> crate::Result<u32> {
     }
 }
 
+/// GEMV launch variants the start-up tuning chooses from (the CUDA runner's `GEMV_VARIANTS`).
+pub const GEMV_VARIANT_COUNT: usize = 4;
+
+/// `FERRUM_GEMV_VARIANT` (`None` when unset: the start-up tuning chooses per shape): the index
+/// of the one variant every GEMV shape launches, `0..GEMV_VARIANT_COUNT`.
+pub fn gemv_variant(value: Option<&str>) -> crate::Result<Option<usize>> {
+    knob("FERRUM_GEMV_VARIANT", value, 0, GEMV_VARIANT_COUNT - 1)
+}
+
 /// Most warps per block of the decode attention (attention.cu's `ATTN_MAX_WARPS`).
 pub const ATTN_MAX_WARPS: u32 = 8;
 /// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
@@ -249,6 +258,13 @@ mod tests {
         for bad in ["3", "0", "8", "x"] {
             let e = gemv_split_k_cap(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_GEMV_SPLIT_K"), "{bad:?}: {e}");
+        }
+        assert_eq!(gemv_variant(None).unwrap(), None);
+        assert_eq!(gemv_variant(Some("0")).unwrap(), Some(0));
+        assert_eq!(gemv_variant(Some("3")).unwrap(), Some(3));
+        for bad in ["4", "-1", "two", ""] {
+            let e = gemv_variant(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_VARIANT") && e.contains("0..=3"), "{bad:?}: {e}");
         }
     }
 

@@ -79,13 +79,14 @@ fn main() {
     // RUST_LOG that does not parse is reported and replaced by the default: logging settings
     // never stop a run.
     use tracing_subscriber::EnvFilter;
-    let filter = match std::env::var("RUST_LOG") {
-        Err(_) => EnvFilter::new("warn"),
-        Ok(v) => EnvFilter::try_new(&v).unwrap_or_else(|e| {
-            eprintln!("warning: ignoring RUST_LOG={v:?} ({e}); logging warnings only");
-            EnvFilter::new("warn")
-        }),
-    };
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|v| {
+            EnvFilter::try_new(&v)
+                .map_err(|e| eprintln!("warning: ignoring RUST_LOG={v:?} ({e}); logging warnings only"))
+                .ok()
+        })
+        .unwrap_or_else(|| EnvFilter::new("warn"));
     tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
     let cli = Cli::parse();
     let r = match cli.cmd {

@@ -393,7 +393,7 @@ impl GemvVariant {
 }
 
 /// The GEMV launch variants the runner chooses from (with the shape's `ks`).
-pub(crate) const GEMV_VARIANTS: [GemvVariant; 4] = [
+pub(crate) const GEMV_VARIANTS: [GemvVariant; crate::plan::GEMV_VARIANT_COUNT] = [
     GemvVariant { rows4: false, block: 256, ks: 1 },
     GemvVariant { rows4: false, block: 128, ks: 1 },
     GemvVariant { rows4: true, block: 256, ks: 1 },
@@ -454,7 +454,7 @@ impl Kernels {
         let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
-        let gemv_variant = knob("FERRUM_GEMV_VARIANT", 0, GEMV_VARIANTS.len() - 1)?;
+        let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT").as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
         tracing::debug!(
