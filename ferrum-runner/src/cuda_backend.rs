@@ -27,6 +27,9 @@ pub fn cuda_error(e: ferrum_cuda::Error) -> Error {
         }
         ferrum_cuda::Error::UnknownSequence(s) => Error::UnknownSequence(s),
         ferrum_cuda::Error::Reduce(msg) => Error::Tp(msg),
+        // A bad argument or setting (e.g. a malformed FERRUM_* knob) is the caller's input,
+        // not an unavailable GPU.
+        ferrum_cuda::Error::InvalidArgument(msg) => Error::InvalidInput(msg),
         other => Error::Unavailable("CUDA", other.to_string()),
     }
 }
@@ -379,4 +382,18 @@ pub fn open_synthetic(
     }
     let runner = CudaDecodeRunner::random(spec_of(cfg), dtype, 0x5eed, ordinal).map_err(cuda_error)?;
     Ok((Box::new(CudaBackend::new(runner)), weight_bytes_per_token(cfg, opts)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_arguments_are_invalid_input_not_an_unavailable_gpu() {
+        let e = cuda_error(ferrum_cuda::Error::InvalidArgument(
+            "FERRUM_GEMV_VARIANT=\"9\": expected a number in 0..=3".into(),
+        ));
+        assert!(matches!(e, Error::InvalidInput(_)), "{e:?}");
+        assert_eq!(e.to_string(), "invalid input: FERRUM_GEMV_VARIANT=\"9\": expected a number in 0..=3");
+    }
 }
