@@ -39,6 +39,15 @@ __device__ __forceinline__ void norm_weight_early(float (&wf)[NORM_PER], const T
     }
 }
 
+// One fp32 value loaded before the programmatic-launch wait (peer_add_rmsnorm_regs says when
+// that is safe): from L2 (.cg: an L1 may hold a line from before the value's last write), in
+// asm volatile so that the load stays ahead of the wait (gemv.cu's ldg_early).
+__device__ __forceinline__ float ld_early_cg_f32(const float *p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
 // The register path's end, shared by both norms: y[base + t + kB] = v[k] * rsqrt(mean(x^2) +
 // eps) * wf[k], with ss this thread's sum of squares. Every thread of the block calls it.
 __device__ __forceinline__ void norm_store_regs(float *y, const float (&v)[NORM_PER], const float (&wf)[NORM_PER],
@@ -153,14 +162,127 @@ FERRUM_PEER_ALL_REDUCE(f32, float)
 FERRUM_PEER_ALL_REDUCE(f16, f16)
 FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 
-// delta = sum over ranks of delta; then add_rmsnorm (x += delta; y = rmsnorm(x) * w), the same
-// code as ferrum_add_rmsnorm, so the result is bit-identical to an all-reduce followed by it.
-// One block, one row. peer_all_reduce ends with a bar.sync, so the sums it stored are visible
-// to every thread of add_rmsnorm.
+// x += sum over ranks of delta; y = rmsnorm(x) * w: the peer all-reduce (peer.cuh's steps 1-3)
+// and add_rmsnorm in one kernel, bit-identical to an all-reduce followed by ferrum_add_rmsnorm
+// (for two ranks NCCL returns round(a + b): the same fp32 sum in rank order). One block, one
+// row. When the row fits PEER_NORM_PER values a thread (`hidden <= PEER_NORM_PER *
+// blockDim.x`), thread t keeps add_rmsnorm's elements i = t + kB and waits for the peers'
+// lines that hold them (two threads share each 2-value line), so the sums never go through
+// memory: the row costs one poll round trip, the add, the block sum and the stores, in
+// add_rmsnorm's order. Its x values and norm weights are loaded before the programmatic-launch
+// wait: the caller guarantees that the kernel launched just before this one does not write x
+// (the decode step: the o or down projection, which write delta), so every earlier writer of
+// x has completed when this grid starts (common.cuh: a kernel lets its dependents launch only
+// after its own wait). Longer rows take peer_all_reduce and add_rmsnorm as they are.
+#define PEER_NORM_PER 4
+
+template <typename T>
+__device__ __forceinline__ void peer_add_rmsnorm_regs(const PeerArgs &a, float *x, const float *delta, float *y,
+                                                      const float (&wf)[PEER_NORM_PER],
+                                                      const float (&xv)[PEER_NORM_PER], int hidden, float eps) {
+    const int B = blockDim.x, t = threadIdx.x;
+    __shared__ float sh[32];
+    __shared__ unsigned s_fail;
+    if (t == 0) s_fail = 0u;
+    __syncthreads(); // before any atomicOr below
+    // Every thread reads the {epoch, failed} words itself (thread 0 writes them only after the
+    // block sum's barriers, when every thread has read them); from L2.
+    const unsigned c0 = __ldcg(a.counter), c1 = __ldcg(a.counter + 1);
+    if (c1 != 0u) return; // an earlier call failed: the rank is finished (peer.cuh)
+    const unsigned e = c0 + 1u;
+    const int lines = (hidden + 1) / 2;
+    const size_t slot = 2 * (size_t)a.cap;
+    const size_t parity = (size_t)(e & 1u) * a.world * slot;
+    const size_t mine = parity + (size_t)a.rank * slot;
+    // 1. Push this thread's lines (l = t, t + B, ...) to every peer.
+    for (int l = t; l < lines; l += B) {
+        const uint2 wd = peer_payload(delta, l, hidden);
+#pragma unroll
+        for (int p = 0; p < PEER_MAX_RANKS; ++p)
+            if (p < a.world && p != a.rank) peer_st_line(a.recv[p] + mine + 4 * (size_t)l, wd, e);
+    }
+    // 2-3. This thread's elements: every rank's value, summed in rank order (its own from
+    // delta), the peers' lines all loaded before the first epoch test.
+    const unsigned long long t0 = peer_clock_ns();
+    const unsigned long long deadline = a.timeout_ns > ~0ull - t0 ? ~0ull : t0 + a.timeout_ns;
+    unsigned fail = 0u;
+    float s[PEER_NORM_PER];
+    for (int q = 0; q < a.world; ++q) {
+        if (q == a.rank) {
+#pragma unroll
+            for (int k = 0; k < PEER_NORM_PER; ++k) {
+                const int i = t + k * B;
+                const float d = i < hidden ? __ldcg(delta + i) : 0.0f;
+                s[k] = q == 0 ? d : s[k] + d;
+            }
+            continue;
+        }
+        const float *base = a.own_recv + parity + (size_t)q * slot;
+        ulonglong2 v[PEER_NORM_PER];
+#pragma unroll
+        for (int k = 0; k < PEER_NORM_PER; ++k) {
+            // Past the row: a made-up ready line (nothing loaded).
+            const int i = t + k * B;
+            v[k] = i < hidden ? peer_ld_line(base + 4 * (size_t)(i / 2))
+                              : make_ulonglong2((unsigned long long)e << 32, (unsigned long long)e << 32);
+        }
+#pragma unroll
+        for (int k = 0; k < PEER_NORM_PER; ++k) {
+            const int i = t + k * B;
+            unsigned spins = 0;
+            while (fail == 0u && ((unsigned)(v[k].x >> 32) != e || (unsigned)(v[k].y >> 32) != e)) {
+                ++spins;
+                if (spins % PEER_POLL_SPINS == 0 && peer_clock_ns() > deadline) fail = PEER_TIMED_OUT;
+                if (spins % PEER_ABORT_SPINS == 0 && *a.abort != 0u) fail = PEER_ABORTED;
+                v[k] = peer_ld_line(base + 4 * (size_t)(i / 2));
+            }
+            const float d = __uint_as_float((unsigned)((i & 1) ? v[k].y : v[k].x));
+            s[k] = q == 0 ? d : s[k] + d;
+        }
+    }
+    if (fail != 0u) atomicOr(&s_fail, fail);
+    // add_rmsnorm's register path (norm_store_regs) on the sums: the same operations in the
+    // same order.
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < PEER_NORM_PER; ++k) {
+        if (t + k * B < hidden) {
+            s[k] = xv[k] + s[k];
+            x[t + k * B] = s[k];
+            ss += s[k] * s[k];
+        }
+    }
+    ss = block_sum(ss, sh); // its barriers order every atomicOr before the read of s_fail
+    const float r = rsqrtf(ss / (float)hidden + eps);
+#pragma unroll
+    for (int k = 0; k < PEER_NORM_PER; ++k)
+        if (t + k * B < hidden) y[t + k * B] = s[k] * r * wf[k];
+    if (t == 0) {
+        if (s_fail == 0u) {
+            a.counter[0] = e; // read again only by the next call (kernel boundary)
+        } else {
+            const unsigned why = (s_fail & PEER_TIMED_OUT) ? PEER_TIMED_OUT : PEER_ABORTED;
+            a.counter[1] = why; // sticky: the rank's later calls return at once
+            *a.status = why;
+            __threadfence_system();
+        }
+    }
+}
+
 #define FERRUM_PEER_NORM(S, T)                                                                     \
-    extern "C" __global__ void ferrum_peer_add_rmsnorm_##S(PeerArgs a, float *x, float *delta,     \
-                                                           float *y, const T *w, int hidden,       \
-                                                           float eps) {                            \
+    extern "C" __global__ void __launch_bounds__(1024) ferrum_peer_add_rmsnorm_##S(                \
+        PeerArgs a, float *x, float *delta, float *y, const T *w, int hidden, float eps) {        \
+        if (hidden <= PEER_NORM_PER * (int)blockDim.x) {                                           \
+            float wf[PEER_NORM_PER], xv[PEER_NORM_PER];                                            \
+            _Pragma("unroll") for (int k = 0; k < PEER_NORM_PER; ++k) {                                              \
+                const int i = threadIdx.x + k * blockDim.x;                                        \
+                wf[k] = i < hidden ? to_f(w[i]) : 0.0f;                                            \
+                xv[k] = i < hidden ? ld_early_cg_f32(x + i) : 0.0f;                                \
+            }                                                                                      \
+            FERRUM_PDL_ENTRY();                                                                    \
+            peer_add_rmsnorm_regs<T>(a, x, delta, y, wf, xv, hidden, eps);                         \
+            return;                                                                                \
+        }                                                                                          \
         float wf[NORM_PER];                                                                        \
         if (hidden <= NORM_PER * (int)blockDim.x) norm_weight_early<T>(wf, w, hidden);             \
         FERRUM_PDL_ENTRY();                                                                        \

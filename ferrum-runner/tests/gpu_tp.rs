@@ -411,6 +411,30 @@ fn tp2_peer_all_reduce_is_bit_identical_to_nccl() {
     }
 }
 
+/// The peer add + RMSNorm kernel keeps a row of up to 4 values a thread in registers (hidden
+/// 4096 at 1024 threads); wider rows take its in-memory path. A hidden size of 4608 against
+/// NCCL + the add + RMSNorm kernel, bit for bit, host-fed steps and the device loop's graphs.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_peer_all_reduce_of_a_wide_row_is_bit_identical_to_nccl() {
+    init();
+    let mut cfg = config(Arch::Llama, false, 2);
+    cfg.hidden_size = 4608;
+    let p = prompt(24, cfg.vocab_size, 8);
+    let mut peer = synthetic_group_with(&cfg, 0, 2, BF16, 11, AllReduce::Peer).unwrap();
+    let mut nccl = synthetic_group_with(&cfg, 0, 2, BF16, 11, AllReduce::Nccl).unwrap();
+    assert!(peer.describe().contains("peer-allreduce"), "{}", peer.describe());
+    let a = host_logits(&mut peer, &p, 8, 64);
+    let b = host_logits(&mut nccl, &p, 8, 64);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(bits(x) == bits(y), "hidden 4608: logits {i} differ (peer vs NCCL)");
+    }
+    let ta = device_tokens(&mut peer, &p, 16, 64, DeviceSampling::Greedy);
+    let tb = device_tokens(&mut nccl, &p, 16, 64, DeviceSampling::Greedy);
+    assert_eq!(ta, tb, "hidden 4608: device-loop tokens (peer vs NCCL)");
+    println!("hidden 4608: peer all-reduce bit-identical to NCCL (9 logits, 16 graph tokens)");
+}
+
 /// The vocab split (each rank computes its share of the LM head rows, the ranks exchange one
 /// candidate each) against the whole head on every rank: the device loop's tokens must be
 /// identical, greedy and sampled (the Gumbel noise is hashed from vocabulary indices, so a

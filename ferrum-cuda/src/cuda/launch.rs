@@ -575,8 +575,13 @@ impl Kernels {
         Ok(())
     }
 
-    /// One row: `delta` summed over the ranks of `peer`'s group (in place), then as
-    /// [`add_rmsnorm`](Self::add_rmsnorm) — the peer all-reduce and the norm in one kernel.
+    /// One row: `delta` summed over the ranks of `peer`'s group, then as
+    /// [`add_rmsnorm`](Self::add_rmsnorm) — the peer all-reduce and the norm in one kernel
+    /// (bit-identical to the all-reduce followed by `add_rmsnorm`). Up to
+    /// `4 * norm_block(hidden)` values (hidden 4096) the sums stay in registers and `delta` is
+    /// left as it was; longer rows sum it in place. The kernel reads `x` before its
+    /// programmatic-launch wait, so the kernel launched just before it must not write `x` (the
+    /// decode step: the o or down projection, which writes `delta`).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn peer_add_rmsnorm(
         &self,
@@ -601,7 +606,8 @@ impl Kernels {
         let mut b = self.builder(pick(self.dtype, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16));
         b.arg(args).arg(&px).arg(&pd).arg(&py).arg(&pw).arg(&h).arg(&eps);
         // SAFETY: signature (PeerArgs, f32*, f32*, f32*, const T*, int, float) matches; x,
-        // delta, y hold `hidden` floats and w `hidden` weights (checked above); the peer
+        // delta, y hold `hidden` floats and w `hidden` weights (checked above); x's early read
+        // is ordered after its last write by the caller's contract (doc above); the peer
         // buffers hold `capacity >= hidden` floats per slot and outlive the kernel (the group's
         // buffers are freed only after every device synchronised); the stream is on the peer
         // rank's device (checked), whose peer mappings the group enabled.
