@@ -12,7 +12,13 @@
 // - `_res`: the residual add on the way out: y[r] += W[r] . x (y is the residual stream; its
 //   old value is read before the programmatic-launch wait, so the kernel before this one must
 //   not write y: see gemv()).
+// And one for tensor parallelism over a peer group (peer.cuh):
+// - `_push`: y is this rank's partial of an all-reduce that the next kernel completes
+//   (ferrum_peer_add_rmsnorm_pushed_*); the lane that stores outputs o, o + 1 also pushes them,
+//   as line o / 2 of the call's message, into every peer's receive slot (peer.cuh's step 1,
+//   done here as each warp finishes instead of by the next kernel after this one ends).
 #include "common.cuh"
+#include "peer.cuh"
 
 __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f + expf(-g)) * u; }
 
@@ -82,6 +88,11 @@ __device__ __forceinline__ float ld_early_cg(const float *p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+__device__ __forceinline__ unsigned ld_early_cg_u32(const unsigned *p) {
+    unsigned v;
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
 
 // Chunks per lane loaded before the programmatic-launch wait, while the previous kernel
 // finishes: 8 16-byte loads per lane either way. The main loop keeps as many in flight (unrolled
@@ -96,9 +107,9 @@ template <int ROWS> struct GemvPrefetch {
 #define GEMV_MAX_GROUPS 8
 #define GEMV_MAX_KS 8
 
-template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false>
+template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
-                     float eps) {
+                     float eps, const PeerArgs *pa = nullptr) {
     constexpr int OUT = GATEUP ? ROWS / 2 : ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int ks = blockDim.y, kw = threadIdx.y;  // split-K: warp kw of the group's ks
@@ -223,8 +234,48 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
                     y[o0 + j] = v;
             }
         }
+        if (PUSH) {
+            // Outputs o0 .. o0 + OUT - 1 (o0 even: OUT is 2 or 4) are lines o0 / 2 .. of the
+            // message y[0 .. rows), each line exactly the payload peer_payload(y, l, rows) forms
+            // (two f32, zero past rows). Call e = the rank's completed calls + 1, as the
+            // all-reduce kernel that follows computes it: the counter was last written by this
+            // rank's previous peer kernel, which has completed (it precedes the kernel this one
+            // waited for); an L2 load, never a stale L1 line. A failed rank pushes nothing.
+            const PeerArgs &a = *pa;
+            const uint2 c = make_uint2(ld_early_cg_u32(a.counter), ld_early_cg_u32(a.counter + 1));
+            if (c.y == 0u) {
+                const unsigned e = c.x + 1u;
+                const size_t slot = 2 * (size_t)a.cap;
+                const size_t mine = (size_t)(e & 1u) * a.world * slot + (size_t)a.rank * slot;
+#pragma unroll
+                for (int j = 0; j < OUT; j += 2) {
+                    if (o0 + j < rows) {
+                        const float lo = acc[j], hi = o0 + j + 1 < rows ? acc[j + 1] : 0.0f;
+                        const uint2 w = make_uint2(__float_as_uint(lo), __float_as_uint(hi));
+                        const size_t l = (size_t)(o0 + j) / 2;
+#pragma unroll
+                        for (int p = 0; p < PEER_MAX_RANKS; ++p)
+                            if (p < a.world && p != a.rank) peer_st_line(a.recv[p] + mine + 4 * l, w, e);
+                    }
+                }
+            }
+        }
     }
 }
+
+// The `_push` entry points (plain y = W x, TP partials) take the rank's peer arguments first.
+#define FERRUM_GEMV_PUSH(S, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_push_##S(PeerArgs a, float *y, const T *W, const float *x, int rows, int cols) { \
+        gemv<T, 2, false, false, false, true>(y, W, x, rows, cols, nullptr, 0.0f, &a);            \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_push_##S(PeerArgs a, float *y, const T *W, const float *x, int rows, int cols) { \
+        gemv<T, 4, false, false, false, true>(y, W, x, rows, cols, nullptr, 0.0f, &a);            \
+    }
+
+FERRUM_GEMV_PUSH(f16, f16)
+FERRUM_GEMV_PUSH(bf16, bf16)
 
 // Every GEMV entry point has the same parameters; norm_w and eps are read by the _norm ones only.
 // gemv() itself runs FERRUM_PDL_ENTRY, after loading its first weight chunks.

@@ -176,7 +176,9 @@ FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 // after its own wait). Longer rows take peer_all_reduce and add_rmsnorm as they are.
 #define PEER_NORM_PER 4
 
-template <typename T>
+// PUSHED: the `_push` GEMV before this kernel (gemv.cu) pushed delta's lines itself (peer.cuh),
+// so step 1 is skipped.
+template <typename T, bool PUSHED>
 __device__ __forceinline__ void peer_add_rmsnorm_regs(const PeerArgs &a, float *x, const float *delta, float *y,
                                                       const float (&wf)[PEER_NORM_PER],
                                                       const float (&xv)[PEER_NORM_PER], int hidden, float eps) {
@@ -195,7 +197,7 @@ __device__ __forceinline__ void peer_add_rmsnorm_regs(const PeerArgs &a, float *
     const size_t parity = (size_t)(e & 1u) * a.world * slot;
     const size_t mine = parity + (size_t)a.rank * slot;
     // 1. Push this thread's lines (l = t, t + B, ...) to every peer.
-    for (int l = t; l < lines; l += B) {
+    for (int l = t; !PUSHED && l < lines; l += B) {
         const uint2 wd = peer_payload(delta, l, hidden);
 #pragma unroll
         for (int p = 0; p < PEER_MAX_RANKS; ++p)
@@ -269,26 +271,30 @@ __device__ __forceinline__ void peer_add_rmsnorm_regs(const PeerArgs &a, float *
     }
 }
 
-#define FERRUM_PEER_NORM(S, T)                                                                     \
-    extern "C" __global__ void __launch_bounds__(1024) ferrum_peer_add_rmsnorm_##S(                \
-        PeerArgs a, float *x, float *delta, float *y, const T *w, int hidden, float eps) {        \
+#define FERRUM_PEER_NORM_ONE(NAME, T, PUSHED)                                                      \
+    extern "C" __global__ void __launch_bounds__(1024)                                             \
+        NAME(PeerArgs a, float *x, float *delta, float *y, const T *w, int hidden, float eps) {    \
         if (hidden <= PEER_NORM_PER * (int)blockDim.x) {                                           \
             float wf[PEER_NORM_PER], xv[PEER_NORM_PER];                                            \
-            _Pragma("unroll") for (int k = 0; k < PEER_NORM_PER; ++k) {                                              \
+            _Pragma("unroll") for (int k = 0; k < PEER_NORM_PER; ++k) {                            \
                 const int i = threadIdx.x + k * blockDim.x;                                        \
                 wf[k] = i < hidden ? to_f(w[i]) : 0.0f;                                            \
                 xv[k] = i < hidden ? ld_early_cg_f32(x + i) : 0.0f;                                \
             }                                                                                      \
             FERRUM_PDL_ENTRY();                                                                    \
-            peer_add_rmsnorm_regs<T>(a, x, delta, y, wf, xv, hidden, eps);                         \
+            peer_add_rmsnorm_regs<T, PUSHED>(a, x, delta, y, wf, xv, hidden, eps);                 \
             return;                                                                                \
         }                                                                                          \
         float wf[NORM_PER];                                                                        \
         if (hidden <= NORM_PER * (int)blockDim.x) norm_weight_early<T>(wf, w, hidden);             \
         FERRUM_PDL_ENTRY();                                                                        \
-        if (!peer_all_reduce<float>(a, delta, delta, hidden)) return;                              \
+        if (!peer_all_reduce<float, PUSHED>(a, delta, delta, hidden)) return;                      \
         add_rmsnorm<T>(x, delta, y, w, wf, hidden, eps);                                           \
     }
+// `_pushed`: after a `_push` GEMV, which pushed delta's lines itself: waits and sums only.
+#define FERRUM_PEER_NORM(S, T)                                                                     \
+    FERRUM_PEER_NORM_ONE(ferrum_peer_add_rmsnorm_##S, T, false)                                    \
+    FERRUM_PEER_NORM_ONE(ferrum_peer_add_rmsnorm_pushed_##S, T, true)
 
 FERRUM_PEER_NORM(f16, f16)
 FERRUM_PEER_NORM(bf16, bf16)

@@ -24,6 +24,13 @@
 //      same values, so every rank gets bit-identical sums (for two ranks round(a + b), which
 //      is also what NCCL returns).
 //
+// Step 1 may instead be done by the kernel that produced the partial (gemv.cu's `_push`
+// GEMVs, as each warp stores its outputs; then this call runs with PUSHED): the same lines,
+// with the same epoch (the producer reads the rank's counter, last written by the rank's
+// previous call, which had completed before the producer's programmatic-launch wait), into the
+// same slots, and still after the rank's previous call has ended, which is all the argument
+// below uses.
+//
 // Why two parities suffice (while every call succeeds): rank q writes recv[r][e % 2][q] again
 // only in call e + 2, which it starts after its call e + 1 finished, which needed r's lines of
 // call e + 1, which r pushes only in its call e + 1, after its call e (and all its reads of
@@ -126,7 +133,8 @@ template <typename T> __device__ __forceinline__ float peer_value(uint2 w, int j
 // 4 * cap / sizeof(T) values; the host keeps n <= cap); dst may be src. Returns false (every
 // thread alike) when the call gave up (abort, timeout, or an earlier failure of this rank; dst
 // is then garbage). Ends with a bar.sync.
-template <typename T> __device__ bool peer_all_reduce(const PeerArgs &a, const T *src, T *dst, int n) {
+template <typename T, bool PUSHED = false>
+__device__ bool peer_all_reduce(const PeerArgs &a, const T *src, T *dst, int n) {
     constexpr int L = 8 / sizeof(T);
     __shared__ unsigned s_epoch, s_fail;
     if (threadIdx.x == 0) {
@@ -145,8 +153,8 @@ template <typename T> __device__ bool peer_all_reduce(const PeerArgs &a, const T
     const size_t slot = 2 * (size_t)a.cap;
     const size_t parity = (size_t)(e & 1u) * a.world * slot;
     const size_t mine = parity + (size_t)a.rank * slot;
-    // 1. Push every line of this thread to every peer.
-    for (int l = threadIdx.x; l < lines; l += blockDim.x) {
+    // 1. Push every line of this thread to every peer (unless the producer did).
+    for (int l = threadIdx.x; !PUSHED && l < lines; l += blockDim.x) {
         const uint2 w = peer_payload(src, l, n);
 #pragma unroll
         for (int p = 0; p < PEER_MAX_RANKS; ++p)

@@ -57,6 +57,9 @@ kernels! {
     /// The same all-reduce fused with the residual add + RMSNorm that follows it.
     PeerAddRmsNormF16 => "ferrum_peer_add_rmsnorm_f16" in "norm",
     PeerAddRmsNormBf16 => "ferrum_peer_add_rmsnorm_bf16" in "norm",
+    /// The same after a `_push` GEMV pushed the partial's lines itself: waits and sums only.
+    PeerAddRmsNormPushedF16 => "ferrum_peer_add_rmsnorm_pushed_f16" in "norm",
+    PeerAddRmsNormPushedBf16 => "ferrum_peer_add_rmsnorm_pushed_bf16" in "norm",
     /// Bias + q/k norm + RoPE on fp32 q|k|v + K/V cache append (model dtype).
     RopeQkvF16 => "ferrum_rope_qkv_f16" in "attention",
     RopeQkvBf16 => "ferrum_rope_qkv_bf16" in "attention",
@@ -105,6 +108,12 @@ kernels! {
     GemvResBf16 => "ferrum_gemv_res_bf16" in "gemv",
     Gemv4ResF16 => "ferrum_gemv4_res_f16" in "gemv",
     Gemv4ResBf16 => "ferrum_gemv4_res_bf16" in "gemv",
+    /// The plain GEMV (2 or 4 rows per warp) that also pushes its outputs, a TP rank's partial,
+    /// into the peer group's receive slots (the first step of the peer all-reduce).
+    GemvPushF16 => "ferrum_gemv_push_f16" in "gemv",
+    GemvPushBf16 => "ferrum_gemv_push_bf16" in "gemv",
+    Gemv4PushF16 => "ferrum_gemv4_push_f16" in "gemv",
+    Gemv4PushBf16 => "ferrum_gemv4_push_bf16" in "gemv",
     /// SiLU·mul in fp32 (prefill and cuBLAS path).
     SiluMul => "ferrum_silu_mul" in "gemv",
     /// fp32 activations to the model dtype (the input of a cuBLAS GEMM).

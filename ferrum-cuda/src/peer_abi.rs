@@ -57,6 +57,12 @@ mod tests {
             Kernel::PeerAllReduceBf16,
             Kernel::PeerAddRmsNormF16,
             Kernel::PeerAddRmsNormBf16,
+            Kernel::PeerAddRmsNormPushedF16,
+            Kernel::PeerAddRmsNormPushedBf16,
+            Kernel::GemvPushF16,
+            Kernel::GemvPushBf16,
+            Kernel::Gemv4PushF16,
+            Kernel::Gemv4PushBf16,
         ] {
             for set in [crate::ptx::MODULES, crate::ptx::MODULES_SM90] {
                 let (_, text) = set.iter().find(|(n, _)| *n == k.module()).unwrap();

@@ -408,16 +408,21 @@ pub struct Fusion {
     /// blocks of each head run as one thread-block cluster and merge through distributed shared
     /// memory instead of global memory, a fence and a ticket (bit-identical).
     pub cluster: bool,
+    /// Tensor parallelism over a peer group, one decode token: the o and down GEMVs push their
+    /// partials' lines to the peers themselves, and the peer all-reduce kernel only waits and
+    /// sums (bit-identical).
+    pub push: bool,
 }
 
 impl Fusion {
     /// Every fusion on (the default).
-    pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true, cluster: true };
+    pub const ALL: Fusion = Fusion { split_merge: true, norms: true, rope: true, cluster: true, push: true };
     /// Every fusion off (`FERRUM_FUSE=0`).
-    pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false, cluster: false };
+    pub const NONE: Fusion = Fusion { split_merge: false, norms: false, rope: false, cluster: false, push: false };
 
     /// Reads a `FERRUM_FUSE` value: `0` (none), `1` or empty (all), or a comma-separated list
-    /// of `merge`, `norms`, `rope`, `cluster` (exactly those on). `None` for anything else.
+    /// of `merge`, `norms`, `rope`, `cluster`, `push` (exactly those on). `None` for anything
+    /// else.
     pub fn parse(v: &str) -> Option<Fusion> {
         match v.trim() {
             "0" => return Some(Fusion::NONE),
@@ -431,6 +436,7 @@ impl Fusion {
                 "norms" => f.norms = true,
                 "rope" => f.rope = true,
                 "cluster" => f.cluster = true,
+                "push" => f.push = true,
                 _ => return None,
             }
         }
@@ -449,8 +455,9 @@ mod fusion_tests {
         assert_eq!(Fusion::parse(" "), Some(Fusion::ALL));
         assert_eq!(Fusion::parse("merge, norms"), Some(Fusion { norms: true, split_merge: true, ..Fusion::NONE }));
         assert_eq!(Fusion::parse("rope"), Some(Fusion { rope: true, ..Fusion::NONE }));
-        assert_eq!(Fusion::parse("merge,norms,rope"), Some(Fusion { cluster: false, ..Fusion::ALL }));
-        assert_eq!(Fusion::parse("merge,norms,rope,cluster"), Some(Fusion::ALL));
+        assert_eq!(Fusion::parse("merge,norms,rope"), Some(Fusion { cluster: false, push: false, ..Fusion::ALL }));
+        assert_eq!(Fusion::parse("merge,norms,rope,cluster"), Some(Fusion { push: false, ..Fusion::ALL }));
+        assert_eq!(Fusion::parse("merge,norms,rope,cluster,push"), Some(Fusion::ALL));
         assert_eq!(Fusion::parse("merge,typo"), None);
         assert_eq!(Fusion::parse("yes"), None);
     }

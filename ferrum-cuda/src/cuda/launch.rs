@@ -328,6 +328,9 @@ pub(crate) struct Kernels {
     /// How the last decode step's attention merged its splits (for tests): `"none"` (one
     /// split), `"cluster"`, `"ticket"` or `"combine"`.
     pub(crate) last_merge: Cell<&'static str>,
+    /// TP decode steps over a peer group push the o / down partials from the GEMVs (see
+    /// `Fusion::push`).
+    pub(crate) fuse_push: bool,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -444,7 +447,7 @@ impl Kernels {
             Err(_) => Fusion::ALL,
             Ok(v) => Fusion::parse(&v).ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope, cluster"
+                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope, cluster, push"
                 ))
             })?,
         };
@@ -486,6 +489,7 @@ impl Kernels {
             attn_tc_min_capacity,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
+            fuse_push: fusion.push,
         })
     }
 
@@ -583,6 +587,7 @@ impl Kernels {
     /// programmatic-launch wait, so the kernel launched just before it must not write `x` (the
     /// decode step: the o or down projection, which writes `delta`).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn peer_add_rmsnorm(
         &self,
         peer: &super::peer::PeerRank,
@@ -592,6 +597,7 @@ impl Kernels {
         w: Region<'_, u16>,
         hidden: usize,
         eps: f32,
+        pushed: bool,
     ) -> Result<()> {
         if hidden > peer.capacity() {
             return Err(Error::Internal(format!("peer add_rmsnorm of {hidden} floats, capacity {}", peer.capacity())));
@@ -603,8 +609,15 @@ impl Kernels {
         let pw = w.need(hidden, "peer_add_rmsnorm w")?;
         let h = i32_of(hidden, "hidden")?;
         let args = peer.args();
-        let mut b = self.builder(pick(self.dtype, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16));
+        let kernel = if pushed {
+            pick(self.dtype, Kernel::PeerAddRmsNormPushedF16, Kernel::PeerAddRmsNormPushedBf16)
+        } else {
+            pick(self.dtype, Kernel::PeerAddRmsNormF16, Kernel::PeerAddRmsNormBf16)
+        };
+        let mut b = self.builder(kernel);
         b.arg(args).arg(&px).arg(&pd).arg(&py).arg(&pw).arg(&h).arg(&eps);
+        // With `pushed` (the `_pushed` kernel, same signature) the caller's `_push` GEMV wrote
+        // delta and pushed its lines for this call (`gemv_push`).
         // SAFETY: signature (PeerArgs, f32*, f32*, f32*, const T*, int, float) matches; x,
         // delta, y hold `hidden` floats and w `hidden` weights (checked above); x's early read
         // is ordered after its last write by the caller's contract (doc above); the peer
@@ -1066,6 +1079,47 @@ impl Kernels {
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
         // never write weights.
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
+        Ok(())
+    }
+
+    /// `y = W x` (the variant the start-up tuning chose for the shape), a TP rank's partial of
+    /// the peer all-reduce that [`Self::peer_add_rmsnorm`] with `pushed` completes next: the
+    /// kernel also pushes its outputs into `peer`'s receive slots for that call (gemv.cu's
+    /// `_push` kernels). Bit-identical to [`Self::gemv`] followed by the unpushed kernel.
+    pub(crate) fn gemv_push(
+        &self,
+        peer: &super::peer::PeerRank,
+        y: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<()> {
+        if rows > peer.capacity() {
+            return Err(Error::Internal(format!("gemv push of {rows} floats, capacity {}", peer.capacity())));
+        }
+        peer.check_stream(&self.stream)?;
+        let py = y.need(rows, "gemv y")?;
+        let pw = w.need(rows * cols, "gemv W")?;
+        let px = x.need(cols, "gemv x")?;
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        let v = self.gemv_table.get(&(rows, cols, false)).copied().unwrap_or_default();
+        let k = if v.rows4 {
+            pick(self.dtype, Kernel::Gemv4PushF16, Kernel::Gemv4PushBf16)
+        } else {
+            pick(self.dtype, Kernel::GemvPushF16, Kernel::GemvPushBf16)
+        };
+        let mut b = self.builder(k);
+        b.arg(peer.args()).arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c);
+        let grid = v.grid(rows, false)?;
+        // SAFETY: as in `gemv_as` (the plain kernel: W over rows x cols, x over cols, y[r] for
+        // r < rows; the block shape of the variant), with the signature (PeerArgs, f32*, const
+        // T*, const f32*, int, int). The lane storing outputs o, o + 1 also stores line o / 2
+        // into every peer's receive slot of the rank's next call, at most rows / 2 lines of
+        // the slot's cap / 2 (rows <= capacity, checked); the peer buffers outlive the kernel
+        // (freed only after every device synchronised), and the stream is on the rank's device
+        // (checked), whose peer mappings the group enabled.
+        unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv push"))?;
         Ok(())
     }
 

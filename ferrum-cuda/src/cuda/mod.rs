@@ -1237,6 +1237,7 @@ impl CudaDecodeRunner {
         self.k.fuse_cluster = f.cluster;
         self.k.fuse_norms = f.norms;
         self.k.fuse_rope = f.rope;
+        self.k.fuse_push = f.push;
         self.generation += 1;
     }
 
@@ -1401,7 +1402,7 @@ fn reduce_add_rmsnorm(
     let st = &k.stream;
     if let Some(peer) = reducer.peer().filter(|p| n == 1 && h <= p.capacity()) {
         let (x, o, y) = (region(x, st, 0, h)?, region(o, st, 0, h)?, region(y, st, 0, h)?);
-        return k.peer_add_rmsnorm(peer, x, o, y, whole(norm, st)?, h, eps);
+        return k.peer_add_rmsnorm(peer, x, o, y, whole(norm, st)?, h, eps, false);
     }
     reducer.all_reduce(ReduceBuf { data: o, len: n * h, stream: st })?;
     k.add_rmsnorm(
@@ -1413,6 +1414,29 @@ fn reduce_add_rmsnorm(
         h,
         eps,
     )
+}
+
+/// `o = W input` (one decode token, `h` rows of `cols`) by the `_push` GEMV, which also pushes
+/// this rank's partial to the peers, then `x += Σ_ranks o; y = RMSNorm(x) * norm` by the peer
+/// kernel that only waits for the peers' lines and sums: bit-identical to [`project`] and
+/// [`reduce_add_rmsnorm`]'s peer path, with the push off the serial chain (it happens as each
+/// GEMV warp stores its outputs, not after a kernel boundary and a reload of `o`).
+#[allow(clippy::too_many_arguments)]
+fn push_add_rmsnorm(
+    k: &Kernels,
+    peer: &peer::PeerRank,
+    (x, o, y): (&DevBuf<f32>, &DevBuf<f32>, &DevBuf<f32>),
+    w: Region<'_, u16>,
+    input: Region<'_, f32>,
+    cols: usize,
+    norm: &DevBuf<u16>,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    let st = &k.stream;
+    k.gemv_push(peer, region(o, st, 0, h)?, w, input, h, cols)?;
+    let (x, o, y) = (region(x, st, 0, h)?, region(o, st, 0, h)?, region(y, st, 0, h)?);
+    k.peer_add_rmsnorm(peer, x, o, y, whole(norm, st)?, h, eps, true)
 }
 
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
@@ -1449,6 +1473,9 @@ fn forward(
     // Only up to k.norms_max_hidden (launch::FUSED_NORMS_MAX_HIDDEN by default).
     let fused_norms =
         k.fuse_norms && n == 1 && p == Projection::Gemv && reducer.is_identity() && h <= k.norms_max_hidden;
+    // TP over a peer group, one token on the GEMV path: the o / down GEMVs push their partials
+    // to the peers (push_add_rmsnorm), when the group's capacity takes the message.
+    let push = k.fuse_push && n == 1 && p == Projection::Gemv;
     k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
     if !fused_norms {
         k.rmsnorm(
@@ -1636,18 +1663,23 @@ fn forward(
             )?;
             continue;
         }
-        project(
-            k,
-            p,
-            region(&a.o, st, 0, n * h)?,
-            whole(&lw.wo, st)?,
-            region(&a.attn, st, 0, n * q_dim)?,
-            region(&a.xh, st, 0, n * q_dim)?,
-            h,
-            q_dim,
-            n,
-        )?;
-        reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), &lw.mlp_norm, n, h, eps)?;
+        if let Some(peer) = reducer.peer().filter(|p| push && h <= p.capacity()) {
+            let attn = region(&a.attn, st, 0, q_dim)?;
+            push_add_rmsnorm(k, peer, (&a.x, &a.o, &a.y), whole(&lw.wo, st)?, attn, q_dim, &lw.mlp_norm, h, eps)?;
+        } else {
+            project(
+                k,
+                p,
+                region(&a.o, st, 0, n * h)?,
+                whole(&lw.wo, st)?,
+                region(&a.attn, st, 0, n * q_dim)?,
+                region(&a.xh, st, 0, n * q_dim)?,
+                h,
+                q_dim,
+                n,
+            )?;
+            reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), &lw.mlp_norm, n, h, eps)?;
+        }
         if n == 1 && p == Projection::Gemv {
             k.gemv_gateup(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.y, st, 0, h)?, inter, h)?;
         } else {
@@ -1664,22 +1696,27 @@ fn forward(
             )?;
             k.silu_mul(region(&a.h, st, 0, n * inter)?, region(&a.gu, st, 0, n * 2 * inter)?, inter, n)?;
         }
-        project(
-            k,
-            p,
-            region(&a.o, st, 0, n * h)?,
-            whole(&lw.wdown, st)?,
-            region(&a.h, st, 0, n * inter)?,
-            region(&a.xh, st, 0, n * inter)?,
-            h,
-            inter,
-            n,
-        )?;
         let next_norm = match w.layers.get(li + 1) {
             Some(next) => &next.attn_norm,
             None => &w.final_norm,
         };
-        reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), next_norm, n, h, eps)?;
+        if let Some(peer) = reducer.peer().filter(|p| push && h <= p.capacity()) {
+            let hid = region(&a.h, st, 0, inter)?;
+            push_add_rmsnorm(k, peer, (&a.x, &a.o, &a.y), whole(&lw.wdown, st)?, hid, inter, next_norm, h, eps)?;
+        } else {
+            project(
+                k,
+                p,
+                region(&a.o, st, 0, n * h)?,
+                whole(&lw.wdown, st)?,
+                region(&a.h, st, 0, n * inter)?,
+                region(&a.xh, st, 0, n * inter)?,
+                h,
+                inter,
+                n,
+            )?;
+            reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), next_norm, n, h, eps)?;
+        }
     }
     // The LM head's rows r0 .. r0 + rn (all of them, or a vocab split's share: see
     // `set_vocab_split`), launched as the whole head's GEMV so each row rounds alike.
