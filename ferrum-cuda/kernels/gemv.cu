@@ -88,7 +88,7 @@ __device__ __forceinline__ float ld_early_cg(const float *p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
-__device__ __forceinline__ unsigned ld_early_cg_u32(const unsigned *p) {
+__device__ __forceinline__ unsigned ld_cg_u32(const unsigned *p) {
     unsigned v;
     asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
@@ -242,7 +242,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             // rank's previous peer kernel, which has completed (it precedes the kernel this one
             // waited for); an L2 load, never a stale L1 line. A failed rank pushes nothing.
             const PeerArgs &a = *pa;
-            const uint2 c = make_uint2(ld_early_cg_u32(a.counter), ld_early_cg_u32(a.counter + 1));
+            const uint2 c = make_uint2(ld_cg_u32(a.counter), ld_cg_u32(a.counter + 1));
             if (c.y == 0u) {
                 const unsigned e = c.x + 1u;
                 const size_t slot = 2 * (size_t)a.cap;

@@ -166,7 +166,7 @@ FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 // and add_rmsnorm in one kernel, bit-identical to an all-reduce followed by ferrum_add_rmsnorm
 // (for two ranks NCCL returns round(a + b): the same fp32 sum in rank order). One block, one
 // row. When the row fits PEER_NORM_PER values a thread (`hidden <= PEER_NORM_PER *
-// blockDim.x`), thread t keeps add_rmsnorm's elements i = t + kB and waits for the peers'
+// blockDim.x`: with the runner's block sizes hidden <= 1024, 2048 or 4096), thread t keeps add_rmsnorm's elements i = t + kB and waits for the peers'
 // lines that hold them (two threads share each 2-value line), so the sums never go through
 // memory: the row costs one poll round trip, the add, the block sum and the stores, in
 // add_rmsnorm's order. Its x values and norm weights are loaded before the programmatic-launch
@@ -250,17 +250,22 @@ __device__ __forceinline__ void peer_add_rmsnorm_regs(const PeerArgs &a, float *
     for (int k = 0; k < PEER_NORM_PER; ++k) {
         if (t + k * B < hidden) {
             s[k] = xv[k] + s[k];
-            x[t + k * B] = s[k];
             ss += s[k] * s[k];
         }
     }
     ss = block_sum(ss, sh); // its barriers order every atomicOr before the read of s_fail
     const float r = rsqrtf(ss / (float)hidden + eps);
+    // A call that gave up leaves x and y as they were (peer.cuh: "returns without its outputs").
+    const bool ok = s_fail == 0u;
 #pragma unroll
-    for (int k = 0; k < PEER_NORM_PER; ++k)
-        if (t + k * B < hidden) y[t + k * B] = s[k] * r * wf[k];
+    for (int k = 0; k < PEER_NORM_PER; ++k) {
+        if (ok && t + k * B < hidden) {
+            x[t + k * B] = s[k];
+            y[t + k * B] = s[k] * r * wf[k];
+        }
+    }
     if (t == 0) {
-        if (s_fail == 0u) {
+        if (ok) {
             a.counter[0] = e; // read again only by the next call (kernel boundary)
         } else {
             const unsigned why = (s_fail & PEER_TIMED_OUT) ? PEER_TIMED_OUT : PEER_ABORTED;

@@ -162,11 +162,14 @@ pub struct TpOptions {
     /// (`CudaDecodeRunner::set_vocab_split`): each rank reads its share of the head instead of
     /// the whole, and the ranks exchange one candidate each.
     pub vocab_split: bool,
+    /// The decode fusions of every rank's runner (`None`: the runner's default, i.e.
+    /// `FERRUM_FUSE`); for A/B tests.
+    pub fusion: Option<ferrum_cuda::Fusion>,
 }
 
 impl Default for TpOptions {
     fn default() -> Self {
-        Self { all_reduce: AllReduce::Auto, vocab_split: true }
+        Self { all_reduce: AllReduce::Auto, vocab_split: true, fusion: None }
     }
 }
 
@@ -174,7 +177,7 @@ impl TpOptions {
     /// `FERRUM_ALLREDUCE` ([`AllReduce::from_env`]) and `FERRUM_TP_VOCAB_SPLIT` (`1`, the
     /// default, or `0`).
     pub fn from_env() -> Result<Self> {
-        Ok(Self { all_reduce: AllReduce::from_env()?, vocab_split: vocab_split_from_env()? })
+        Ok(Self { all_reduce: AllReduce::from_env()?, vocab_split: vocab_split_from_env()?, fusion: None })
     }
 }
 
@@ -315,6 +318,9 @@ impl CudaTpBackend {
             }
             if opts.vocab_split {
                 runner.set_vocab_split(r, tp).map_err(cuda_error)?;
+            }
+            if let Some(f) = opts.fusion {
+                runner.set_fusion(f);
             }
             let mut rank = CudaRank::new(runner, r);
             match peer_handle {
@@ -538,7 +544,7 @@ pub fn synthetic_group_with(
     seed: u64,
     all_reduce: AllReduce,
 ) -> Result<CudaTpBackend> {
-    let opts = TpOptions { all_reduce, vocab_split: vocab_split_from_env()? };
+    let opts = TpOptions { all_reduce, vocab_split: vocab_split_from_env()?, fusion: None };
     synthetic_group_opts(cfg, first, tp, dtype, seed, opts)
 }
 

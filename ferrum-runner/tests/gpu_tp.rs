@@ -412,27 +412,37 @@ fn tp2_peer_all_reduce_is_bit_identical_to_nccl() {
 }
 
 /// The peer add + RMSNorm kernel keeps a row of up to 4 values a thread in registers (hidden
-/// 4096 at 1024 threads); wider rows take its in-memory path. A hidden size of 4608 against
-/// NCCL + the add + RMSNorm kernel, bit for bit, host-fed steps and the device loop's graphs.
+/// 2048 at 512 threads, 4096 at 1024: two threads share each line at every k); wider rows take
+/// its in-memory path (4608). Each against NCCL + the add + RMSNorm kernel, bit for bit, with
+/// the GEMVs pushing the partials (`_pushed` kernel) and without (the kernel pushes): host-fed
+/// steps and the device loop's graphs.
 #[test]
 #[ignore = "needs two CUDA GPUs"]
-fn tp2_peer_all_reduce_of_a_wide_row_is_bit_identical_to_nccl() {
+fn tp2_peer_all_reduce_of_wide_rows_is_bit_identical_to_nccl() {
     init();
-    let mut cfg = config(Arch::Llama, false, 2);
-    cfg.hidden_size = 4608;
-    let p = prompt(24, cfg.vocab_size, 8);
-    let mut peer = synthetic_group_with(&cfg, 0, 2, BF16, 11, AllReduce::Peer).unwrap();
-    let mut nccl = synthetic_group_with(&cfg, 0, 2, BF16, 11, AllReduce::Nccl).unwrap();
-    assert!(peer.describe().contains("peer-allreduce"), "{}", peer.describe());
-    let a = host_logits(&mut peer, &p, 8, 64);
-    let b = host_logits(&mut nccl, &p, 8, 64);
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(bits(x) == bits(y), "hidden 4608: logits {i} differ (peer vs NCCL)");
+    for hidden in [2048, 4096, 4608] {
+        let mut cfg = config(Arch::Llama, false, 2);
+        cfg.hidden_size = hidden;
+        let p = prompt(24, cfg.vocab_size, 8);
+        let group = |all_reduce, push| {
+            let fusion = Some(Fusion { push, ..Fusion::ALL });
+            synthetic_group_opts(&cfg, 0, 2, BF16, 11, TpOptions { all_reduce, vocab_split: true, fusion }).unwrap()
+        };
+        let mut nccl = group(AllReduce::Nccl, true);
+        let want = host_logits(&mut nccl, &p, 8, 64);
+        let want_tokens = device_tokens(&mut nccl, &p, 16, 64, DeviceSampling::Greedy);
+        for push in [true, false] {
+            let mut peer = group(AllReduce::Peer, push);
+            assert!(peer.describe().contains("peer-allreduce"), "{}", peer.describe());
+            let got = host_logits(&mut peer, &p, 8, 64);
+            for (i, (x, y)) in got.iter().zip(&want).enumerate() {
+                assert!(bits(x) == bits(y), "hidden {hidden} push={push}: logits {i} differ (peer vs NCCL)");
+            }
+            let tokens = device_tokens(&mut peer, &p, 16, 64, DeviceSampling::Greedy);
+            assert_eq!(tokens, want_tokens, "hidden {hidden} push={push}: device-loop tokens (peer vs NCCL)");
+            println!("hidden {hidden} push={push}: peer all-reduce bit-identical to NCCL (9 logits, 16 graph tokens)");
+        }
     }
-    let ta = device_tokens(&mut peer, &p, 16, 64, DeviceSampling::Greedy);
-    let tb = device_tokens(&mut nccl, &p, 16, 64, DeviceSampling::Greedy);
-    assert_eq!(ta, tb, "hidden 4608: device-loop tokens (peer vs NCCL)");
-    println!("hidden 4608: peer all-reduce bit-identical to NCCL (9 logits, 16 graph tokens)");
 }
 
 /// The vocab split (each rank computes its share of the LM head rows, the ranks exchange one
@@ -451,9 +461,11 @@ fn tp2_vocab_split_picks_the_whole_vocabulary_token() {
             let p = prompt(30, vocab, 3);
             let all_reduce = if vocab % 2 == 0 { AllReduce::Auto } else { AllReduce::Nccl };
             let mut split =
-                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: true }).unwrap();
+                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: true, fusion: None })
+                    .unwrap();
             let mut whole =
-                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: false }).unwrap();
+                synthetic_group_opts(&cfg, 0, 2, BF16, 13, TpOptions { all_reduce, vocab_split: false, fusion: None })
+                    .unwrap();
             let t = DeviceSampling::Temperature { temperature: 1.0, seed: 5 };
             let (gs, gw) = (
                 device_tokens(&mut split, &p, 48, 128, DeviceSampling::Greedy),

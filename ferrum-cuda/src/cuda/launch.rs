@@ -582,11 +582,10 @@ impl Kernels {
     /// One row: `delta` summed over the ranks of `peer`'s group, then as
     /// [`add_rmsnorm`](Self::add_rmsnorm) — the peer all-reduce and the norm in one kernel
     /// (bit-identical to the all-reduce followed by `add_rmsnorm`). Up to
-    /// `4 * norm_block(hidden)` values (hidden 4096) the sums stay in registers and `delta` is
-    /// left as it was; longer rows sum it in place. The kernel reads `x` before its
+    /// `4 * norm_block(hidden)` values (hidden <= 1024, 2048 or 4096) the sums stay in
+    /// registers and `delta` is left as it was; other rows sum it in place. The kernel reads `x` before its
     /// programmatic-launch wait, so the kernel launched just before it must not write `x` (the
     /// decode step: the o or down projection, which writes `delta`).
-    #[allow(clippy::too_many_arguments)]
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn peer_add_rmsnorm(
         &self,
@@ -1115,8 +1114,10 @@ impl Kernels {
         // SAFETY: as in `gemv_as` (the plain kernel: W over rows x cols, x over cols, y[r] for
         // r < rows; the block shape of the variant), with the signature (PeerArgs, f32*, const
         // T*, const f32*, int, int). The lane storing outputs o, o + 1 also stores line o / 2
-        // into every peer's receive slot of the rank's next call, at most rows / 2 lines of
-        // the slot's cap / 2 (rows <= capacity, checked); the peer buffers outlive the kernel
+        // into every peer's receive slot of the rank's next call, at most ceil(rows / 2) lines
+        // of the slot's cap / 2 (rows <= capacity, checked; cap is a multiple of 4), and reads
+        // the rank's {epoch, failed} words in its own counter allocation; the peer buffers
+        // outlive the kernel
         // (freed only after every device synchronised), and the stream is on the rank's device
         // (checked), whose peer mappings the group enabled.
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv push"))?;

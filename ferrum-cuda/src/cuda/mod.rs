@@ -1386,8 +1386,8 @@ fn opt<'a>(b: &'a Option<CudaSlice<u16>>, st: &CudaStream) -> Result<Region<'a, 
     }
 }
 
-/// `x += Σ_ranks o; y = RMSNorm(x) * norm` over `n` rows (`o`: this rank's partial, summed in
-/// place): one peer kernel for a decode token when the reducer has a peer group, else the
+/// `x += Σ_ranks o; y = RMSNorm(x) * norm` over `n` rows (`o`: this rank's partial; its
+/// contents afterwards are unspecified): one peer kernel for a decode token when the reducer has a peer group, else the
 /// reducer's all-reduce and then `add_rmsnorm`.
 #[allow(clippy::too_many_arguments)]
 fn reduce_add_rmsnorm(
