@@ -579,13 +579,23 @@ impl Kernels {
         Ok(())
     }
 
+    /// A peer kernel's preconditions: a message of `n` floats fits `peer`'s slots, and this
+    /// runner's stream is on the rank's device.
+    fn check_peer(&self, peer: &super::peer::PeerRank, n: usize, what: &str) -> Result<()> {
+        if n > peer.capacity() {
+            return Err(Error::Internal(format!("{what} of {n} floats, capacity {}", peer.capacity())));
+        }
+        peer.check_stream(&self.stream)
+    }
+
     /// One row: `delta` summed over the ranks of `peer`'s group, then as
     /// [`add_rmsnorm`](Self::add_rmsnorm) — the peer all-reduce and the norm in one kernel
     /// (bit-identical to the all-reduce followed by `add_rmsnorm`). Up to
     /// `4 * norm_block(hidden)` values (hidden <= 1024, 2048 or 4096) the sums stay in
-    /// registers and `delta` is left as it was; other rows sum it in place. The kernel reads `x` before its
-    /// programmatic-launch wait, so the kernel launched just before it must not write `x` (the
-    /// decode step: the o or down projection, which writes `delta`).
+    /// registers and `delta` is left as it was; other rows sum it in place. The kernel reads
+    /// `x` before its programmatic-launch wait, so the kernel launched just before it must not
+    /// write `x` (the decode step: the o or down projection, which writes `delta`). With
+    /// `pushed` the `_push` GEMV before it pushed delta's lines ([`Self::gemv_push`]).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn peer_add_rmsnorm(
         &self,
@@ -598,10 +608,7 @@ impl Kernels {
         eps: f32,
         pushed: bool,
     ) -> Result<()> {
-        if hidden > peer.capacity() {
-            return Err(Error::Internal(format!("peer add_rmsnorm of {hidden} floats, capacity {}", peer.capacity())));
-        }
-        peer.check_stream(&self.stream)?;
+        self.check_peer(peer, hidden, "peer add_rmsnorm")?;
         let px = x.need(hidden, "peer_add_rmsnorm x")?;
         let pd = delta.need(hidden, "peer_add_rmsnorm delta")?;
         let py = y.need(hidden, "peer_add_rmsnorm y")?;
@@ -1094,10 +1101,7 @@ impl Kernels {
         rows: usize,
         cols: usize,
     ) -> Result<()> {
-        if rows > peer.capacity() {
-            return Err(Error::Internal(format!("gemv push of {rows} floats, capacity {}", peer.capacity())));
-        }
-        peer.check_stream(&self.stream)?;
+        self.check_peer(peer, rows, "gemv push")?;
         let py = y.need(rows, "gemv y")?;
         let pw = w.need(rows * cols, "gemv W")?;
         let px = x.need(cols, "gemv x")?;

@@ -1439,6 +1439,34 @@ fn push_add_rmsnorm(
     k.peer_add_rmsnorm(peer, x, o, y, whole(norm, st)?, h, eps, true)
 }
 
+/// `o = W input; x += Σ_ranks o; y = RMSNorm(x) * norm` for the o and down projections of a
+/// layer whose norms are not fused (`input`: the projection's input buffer and its width
+/// `cols`; `xh` its dtype copy for cuBLAS). With `push` (one decode token on the GEMV path)
+/// over a peer group whose capacity takes the row: [`push_add_rmsnorm`]; otherwise [`project`]
+/// and [`reduce_add_rmsnorm`]. The two are bit-identical.
+#[allow(clippy::too_many_arguments)]
+fn project_add_rmsnorm(
+    k: &Kernels,
+    p: Projection,
+    reducer: &mut dyn Reducer,
+    push: bool,
+    (x, o, y, xh): (&DevBuf<f32>, &mut DevBuf<f32>, &DevBuf<f32>, &DevBuf<u16>),
+    w: Region<'_, u16>,
+    (input, cols): (&DevBuf<f32>, usize),
+    norm: &DevBuf<u16>,
+    n: usize,
+    h: usize,
+    eps: f32,
+) -> Result<()> {
+    let st = &k.stream;
+    if let Some(peer) = reducer.peer().filter(|pr| push && h <= pr.capacity()) {
+        return push_add_rmsnorm(k, peer, (x, o, y), w, region(input, st, 0, cols)?, cols, norm, h, eps);
+    }
+    let (input, inh) = (region(input, st, 0, n * cols)?, region(xh, st, 0, n * cols)?);
+    project(k, p, region(o, st, 0, n * h)?, w, input, inh, h, cols, n)?;
+    reduce_add_rmsnorm(k, reducer, (x, o, y), norm, n, h, eps)
+}
+
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1663,23 +1691,8 @@ fn forward(
             )?;
             continue;
         }
-        if let Some(peer) = reducer.peer().filter(|p| push && h <= p.capacity()) {
-            let attn = region(&a.attn, st, 0, q_dim)?;
-            push_add_rmsnorm(k, peer, (&a.x, &a.o, &a.y), whole(&lw.wo, st)?, attn, q_dim, &lw.mlp_norm, h, eps)?;
-        } else {
-            project(
-                k,
-                p,
-                region(&a.o, st, 0, n * h)?,
-                whole(&lw.wo, st)?,
-                region(&a.attn, st, 0, n * q_dim)?,
-                region(&a.xh, st, 0, n * q_dim)?,
-                h,
-                q_dim,
-                n,
-            )?;
-            reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), &lw.mlp_norm, n, h, eps)?;
-        }
+        let acts = (&a.x, &mut a.o, &a.y, &a.xh);
+        project_add_rmsnorm(k, p, reducer, push, acts, whole(&lw.wo, st)?, (&a.attn, q_dim), &lw.mlp_norm, n, h, eps)?;
         if n == 1 && p == Projection::Gemv {
             k.gemv_gateup(region(&a.h, st, 0, inter)?, whole(&lw.wgu, st)?, region(&a.y, st, 0, h)?, inter, h)?;
         } else {
@@ -1700,23 +1713,8 @@ fn forward(
             Some(next) => &next.attn_norm,
             None => &w.final_norm,
         };
-        if let Some(peer) = reducer.peer().filter(|p| push && h <= p.capacity()) {
-            let hid = region(&a.h, st, 0, inter)?;
-            push_add_rmsnorm(k, peer, (&a.x, &a.o, &a.y), whole(&lw.wdown, st)?, hid, inter, next_norm, h, eps)?;
-        } else {
-            project(
-                k,
-                p,
-                region(&a.o, st, 0, n * h)?,
-                whole(&lw.wdown, st)?,
-                region(&a.h, st, 0, n * inter)?,
-                region(&a.xh, st, 0, n * inter)?,
-                h,
-                inter,
-                n,
-            )?;
-            reduce_add_rmsnorm(k, reducer, (&a.x, &mut a.o, &a.y), next_norm, n, h, eps)?;
-        }
+        let acts = (&a.x, &mut a.o, &a.y, &a.xh);
+        project_add_rmsnorm(k, p, reducer, push, acts, whole(&lw.wdown, st)?, (&a.h, inter), next_norm, n, h, eps)?;
     }
     // The LM head's rows r0 .. r0 + rn (all of them, or a vocab split's share: see
     // `set_vocab_split`), launched as the whole head's GEMV so each row rounds alike.
