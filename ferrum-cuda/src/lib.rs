@@ -47,8 +47,8 @@ mod cuda;
 pub use cuda::peer;
 #[cfg(feature = "cuda")]
 pub use cuda::{
-    device_count, device_info, measure_copy_bandwidth, CudaDecodeRunner, DeviceLogits, DeviceStepKey, NoReduce,
-    ReduceBuf, Reducer,
+    device_count, device_info, measure_copy_bandwidth, profiler_range, CudaDecodeRunner, DeviceLogits, DeviceStepKey,
+    NoReduce, ReduceBuf, Reducer,
 };
 /// cudarc, re-exported so that layers above (NCCL, graphs) use the same version.
 #[cfg(feature = "cuda")]
@@ -57,7 +57,7 @@ pub use cudarc;
 #[cfg(not(feature = "cuda"))]
 mod stub;
 #[cfg(not(feature = "cuda"))]
-pub use stub::{device_count, device_info, measure_copy_bandwidth, CudaDecodeRunner, DeviceLogits};
+pub use stub::{device_count, device_info, measure_copy_bandwidth, profiler_range, CudaDecodeRunner, DeviceLogits};
 
 /// True when this build has the CUDA backend.
 pub const fn cuda_built() -> bool {

@@ -18,6 +18,11 @@ pub fn measure_copy_bandwidth(_ordinal: usize, _bytes: usize) -> Result<CopyBand
     Err(Error::NotBuilt)
 }
 
+/// Starts or stops a profiling tool's collection (needs the `cuda` feature).
+pub fn profiler_range(_ordinal: usize, _on: bool) -> Result<()> {
+    Err(Error::NotBuilt)
+}
+
 /// Logits on the device (never constructed without the `cuda` feature).
 #[derive(Debug)]
 pub struct DeviceLogits {

@@ -53,6 +53,11 @@ pub struct BenchArgs {
     /// the kernels, so the total exceeds a normal step).
     #[arg(long)]
     kernel_profile: bool,
+    /// Wrap the last run's decode in `cuProfilerStart` / `cuProfilerStop` on every GPU of the
+    /// group, so that `ncu --profile-from-start off` profiles only its kernels (the steps as
+    /// replayed from the captured graphs). Changes nothing without a profiler attached.
+    #[arg(long)]
+    profiler_range: bool,
 }
 
 /// One kernel's share of a profiled decode step.
@@ -120,6 +125,19 @@ struct Report {
     prefill_kernel_profile: Option<Vec<KernelRow>>,
 }
 
+/// `--profiler-range`: starts or stops the profiler's collection on every GPU of the group.
+fn profiler_range(opts: &ferrum_runner::session::SessionOptions, on: bool) -> Result<()> {
+    match opts.device {
+        DeviceSpec::Cuda(first) => {
+            for ordinal in first..first + opts.tp.max(1) {
+                ferrum_cuda::profiler_range(ordinal, on)?;
+            }
+            Ok(())
+        }
+        DeviceSpec::Cpu => bail!("--profiler-range needs --device cuda"),
+    }
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
@@ -177,10 +195,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let pf = t.elapsed().as_secs_f64() * 1e3;
         let mut steps = Vec::with_capacity(a.gen_tokens);
         if device {
+            let ranged = a.profiler_range && run == a.runs;
+            if ranged {
+                profiler_range(&opts, true)?;
+            }
             let t = Instant::now();
             let d: DeviceRun =
                 backend.decode_on_device(argmax(&logits), a.gen_tokens, DeviceSampling::Greedy, &mut |_| Ok(true))?;
             let ms = t.elapsed().as_secs_f64() * 1e3;
+            if ranged {
+                profiler_range(&opts, false)?;
+            }
             if d.kept != a.gen_tokens {
                 bail!("the device loop ran {} of {} steps", d.kept, a.gen_tokens);
             }

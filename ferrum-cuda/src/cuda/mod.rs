@@ -86,6 +86,25 @@ pub fn measure_copy_bandwidth(ordinal: usize, bytes: usize) -> Result<CopyBandwi
     Ok(CopyBandwidth { bytes: bytes as u64, seconds, bytes_per_second: 2.0 * bytes as f64 / seconds })
 }
 
+/// Starts (`on`) or stops the active profiling tool's collection on GPU `ordinal`'s primary
+/// context (`cuProfilerStart` / `cuProfilerStop`): under `ncu --profile-from-start off` only
+/// the kernels launched in between are profiled. Without a profiling tool attached it does
+/// nothing.
+pub fn profiler_range(ordinal: usize, on: bool) -> Result<()> {
+    let ctx = context(ordinal)?;
+    ctx.bind_to_thread().map_err(Error::driver("binding the context"))?;
+    // SAFETY: both calls take no arguments and act on the current context, which was bound to
+    // this thread just above and is kept alive by `ctx` across the call.
+    let r = unsafe {
+        if on {
+            cudarc::driver::sys::cuProfilerStart()
+        } else {
+            cudarc::driver::sys::cuProfilerStop()
+        }
+    };
+    r.result().map_err(Error::driver(if on { "cuProfilerStart" } else { "cuProfilerStop" }))
+}
+
 /// Allocates `n` zeroed elements, failing with [`Error::OutOfMemory`] (bytes asked and free)
 /// when the device lacks room.
 fn alloc<T: DeviceRepr + ValidAsZeroBits>(
