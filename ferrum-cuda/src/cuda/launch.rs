@@ -419,6 +419,10 @@ impl Kernels {
         let (major, _) = ctx.compute_capability().map_err(Error::driver("compute capability"))?;
         let pdl = major >= 9 && std::env::var("FERRUM_PDL").map_or(true, |v| v.trim() != "0");
         let set = if pdl { ptx::MODULES_SM90 } else { ptx::MODULES };
+        // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
+        // as shared memory (for A/B runs: by default the driver picks per kernel).
+        let carveout =
+            crate::plan::knob("FERRUM_SMEM_CARVEOUT", std::env::var("FERRUM_SMEM_CARVEOUT").ok().as_deref(), 0, 100)?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -432,6 +436,10 @@ impl Kernels {
             // error, and it keeps compute-sanitizer's API-error log clean).
             let i = set.iter().position(|(n, _)| *n == k.module()).ok_or(Error::MissingKernel(k.name()))?;
             let f = modules[i].load_function(k.name()).map_err(|_| Error::MissingKernel(k.name()))?;
+            if let Some(p) = carveout {
+                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, p as i32)
+                    .map_err(Error::driver("shared memory carveout"))?;
+            }
             if is_decode_attention(*k) {
                 // The cluster merge buffer and the early copies can take the static and dynamic
                 // shared memory past the 48 KiB a block gets without opting in.
