@@ -22,11 +22,17 @@ pub const GEMV_WARPS_PER_SM: usize = 16;
 /// never of timing: on one GPU model with one setting a shape's result is always the same
 /// (another GPU model may split differently and round differently).
 pub fn gemv_split_k(rows: usize, cols: usize, sms: usize, max_ks: u32) -> u32 {
+    gemv_split_k_for(rows, cols, sms, max_ks, GEMV_WARPS_PER_SM)
+}
+
+/// [`gemv_split_k`] aiming at `warps_per_sm` two-row warps per multiprocessor instead of
+/// [`GEMV_WARPS_PER_SM`] (the `FERRUM_GEMV_WARPS_PER_SM` measurement knob).
+pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps_per_sm: usize) -> u32 {
     let warps = rows.div_ceil(2);
     let stripes = (cols / 8 / 32).max(1);
     let cap = max_ks.clamp(1, GEMV_MAX_KS);
     let mut ks = 1u32;
-    while ks * 2 <= cap && ks as usize * 2 <= stripes && warps * (ks as usize) < GEMV_WARPS_PER_SM * sms {
+    while ks * 2 <= cap && ks as usize * 2 <= stripes && warps * (ks as usize) < warps_per_sm * sms {
         ks *= 2;
     }
     ks

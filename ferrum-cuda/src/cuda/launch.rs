@@ -308,6 +308,9 @@ pub(crate) struct Kernels {
     /// The widest hidden size whose one-GPU decode fuses the norms into the GEMVs
     /// ([`FUSED_NORMS_MAX_HIDDEN`], or `FERRUM_FUSED_NORMS_MAX_HIDDEN`).
     pub(crate) norms_max_hidden: usize,
+    /// `FERRUM_GEMV_WARPS_PER_SM`: the two-row warps per multiprocessor that the split-K
+    /// factor aims at (default `plan::GEMV_WARPS_PER_SM`).
+    pub(crate) gemv_warps_per_sm: usize,
     /// `FERRUM_GEMV_SPLIT_K`: the largest GEMV split-K factor (1 turns split-K off; default
     /// `plan::GEMV_MAX_KS`).
     pub(crate) gemv_max_ks: u32,
@@ -467,6 +470,7 @@ impl Kernels {
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT").as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
+        let gemv_warps_per_sm = knob("FERRUM_GEMV_WARPS_PER_SM", 1, 64)?.unwrap_or(crate::plan::GEMV_WARPS_PER_SM);
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
         tracing::debug!(
             pdl,
@@ -475,6 +479,7 @@ impl Kernels {
             ?attn_splits,
             ?gemv_variant,
             gemv_max_ks,
+            gemv_warps_per_sm,
             attn_tc_min_capacity,
             "kernels loaded"
         );
@@ -494,6 +499,7 @@ impl Kernels {
             attn_splits,
             gemv_variant,
             gemv_max_ks,
+            gemv_warps_per_sm,
             attn_tc_min_capacity,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),

@@ -3,7 +3,7 @@ mod launch;
 pub mod peer;
 
 use crate::error::{Error, Result};
-use crate::plan::{attn_splits, attn_warps, gemv_split_k, MAX_SPLITS};
+use crate::plan::{attn_splits, attn_warps, gemv_split_k_for, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -1360,7 +1360,7 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         }
         // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
         // variants timed here all share it, so the choice changes speed only.
-        let ks = gemv_split_k(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks);
+        let ks = gemv_split_k_for(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm);
         if let Some(i) = k.gemv_variant {
             // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
             k.gemv_table.insert(key, GemvVariant { ks, ..GEMV_VARIANTS[i] });
