@@ -10,9 +10,11 @@ pub const GEMV_MAX_KS: u32 = 4;
 /// Warps per multiprocessor that a GEMV should have streaming its weights. Each warp (two rows)
 /// keeps about 4 KiB of loads in flight; an H200 needs about 48 KiB in flight per
 /// multiprocessor (4.2 TB/s times about 1.5 µs of loaded latency, over 132 multiprocessors)
-/// to stay at its copy bandwidth, so 12 warps at least, and a few more cover the ramp and the
-/// tail.
-pub const GEMV_WARPS_PER_SM: usize = 16;
+/// to stay at its copy bandwidth, so 12 warps at least, and more cover the ramp and the tail:
+/// measured on one H200 (session 19, `FERRUM_GEMV_WARPS_PER_SM`, alternating in one call),
+/// 32 instead of 16 took Llama-3-8B from 238 to 247 tok/s (its qkv, o and down projections
+/// split 2, 4 and 4 ways instead of 1, 2 and 2), and 64 gained nothing.
+pub const GEMV_WARPS_PER_SM: usize = 32;
 
 /// The split-K factor of a batch-1 GEMV with `rows` weight rows (2·inter for the stacked
 /// gate|up) and `cols` columns on a GPU with `sms` multiprocessors: the smallest power of two
@@ -196,15 +198,20 @@ mod tests {
     #[test]
     fn split_k_feeds_small_projections_and_leaves_wide_ones() {
         // Llama-3.2-1B: qkv 3072x2048, o 2048x2048, down 2048x8192 are short of warps.
-        assert_eq!(gemv_split_k(3072, 2048, H200_SMS, 4), 2);
+        assert_eq!(gemv_split_k(3072, 2048, H200_SMS, 4), 4);
         assert_eq!(gemv_split_k(2048, 2048, H200_SMS, 4), 4);
         assert_eq!(gemv_split_k(2048, 8192, H200_SMS, 4), 4);
         // ... and gate|up (2 x 8192 rows) and the LM head are not.
         assert_eq!(gemv_split_k(16384, 2048, H200_SMS, 4), 1);
         assert_eq!(gemv_split_k(128256, 2048, H200_SMS, 4), 1);
-        // Llama-3-8B: o 4096x4096 just short of 16 warps per SM.
-        assert_eq!(gemv_split_k(4096, 4096, H200_SMS, 4), 2);
+        // Llama-3-8B: qkv 6144x4096 split 2 ways, o 4096x4096 and down 4096x14336 4 ways
+        // (1, 2 and 2 at 16 warps per SM); gate|up (2 x 14336 rows) not at all.
+        assert_eq!(gemv_split_k(6144, 4096, H200_SMS, 4), 2);
+        assert_eq!(gemv_split_k(4096, 4096, H200_SMS, 4), 4);
+        assert_eq!(gemv_split_k(4096, 14336, H200_SMS, 4), 4);
         assert_eq!(gemv_split_k(28672, 4096, H200_SMS, 4), 1);
+        // The knob's target: at 16 warps per SM the 8B qkv is not split.
+        assert_eq!(gemv_split_k_for(6144, 4096, H200_SMS, 4, 16), 1);
     }
 
     #[test]
