@@ -27,8 +27,9 @@ __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f
 // share one row group, warp k (threadIdx.y) taking the 32-chunk stripes k, k + KS, k + 2 KS, ...
 // of the columns; their warp sums are added in k order through shared memory. KS = 1 is the
 // plain layout. Shapes with few rows get KS > 1 so that enough warps stream W to keep the
-// memory busy (the host picks KS from the shape, the multiprocessor count and the
-// FERRUM_GEMV_SPLIT_K cap, never from timing: plan::gemv_split_k).
+// memory busy (the host picks KS from the shape, the multiprocessor count, the
+// FERRUM_GEMV_SPLIT_K cap and the FERRUM_GEMV_WARPS_PER_SM target, never from timing:
+// plan::gemv_split_k_for).
 // GATEUP = false: warp w computes rows ROWS*w .. ROWS*w + ROWS - 1 of y = W x (`rows` rows).
 // GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes OUT = ROWS/2 outputs
 // o = OUT*w + j: gate row o and up row rows + o, and writes y[o] = silu(gate . x) * (up . x)

@@ -13,7 +13,7 @@ pub const GEMV_MAX_KS: u32 = 4;
 /// to stay at its copy bandwidth, so 12 warps at least, and more cover the ramp and the tail:
 /// measured on one H200 (session 19, `FERRUM_GEMV_WARPS_PER_SM`, alternating in one call),
 /// 32 instead of 16 took Llama-3-8B from 238 to 247 tok/s (its qkv, o and down projections
-/// split 2, 4 and 4 ways instead of 1, 2 and 2), and 64 gained nothing.
+/// split 2, 4 and 4 ways instead of 1, 2 and 2); 64 was no better at 8B (238) and worse at 1B.
 pub const GEMV_WARPS_PER_SM: usize = 32;
 
 /// The split-K factor of a batch-1 GEMV with `rows` weight rows (2·inter for the stacked

@@ -125,17 +125,19 @@ struct Report {
     prefill_kernel_profile: Option<Vec<KernelRow>>,
 }
 
-/// `--profiler-range`: starts or stops the profiler's collection on every GPU of the group.
+/// `--profiler-range`: starts or stops the profiler's collection on every GPU of this process:
+/// the group's in a one-process run, the rank's own in a multi-process one (the GPU that
+/// `cuda_tp` gives the rank: `(ordinal + rank) % device count`).
 fn profiler_range(opts: &ferrum_runner::session::SessionOptions, on: bool) -> Result<()> {
-    match opts.device {
-        DeviceSpec::Cuda(first) => {
-            for ordinal in first..first + opts.tp.max(1) {
-                ferrum_cuda::profiler_range(ordinal, on)?;
-            }
-            Ok(())
-        }
-        DeviceSpec::Cpu => bail!("--profiler-range needs --device cuda"),
+    let DeviceSpec::Cuda(first) = opts.device else { bail!("--profiler-range needs --device cuda") };
+    let gpus: Vec<usize> = match &opts.dist {
+        Some(d) => vec![(first + d.rank) % ferrum_cuda::device_count()?.max(1)],
+        None => (first..first + opts.tp.max(1)).collect(),
+    };
+    for ordinal in gpus {
+        ferrum_cuda::profiler_range(ordinal, on)?;
     }
+    Ok(())
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -152,6 +154,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let opts = a.model.to_options()?;
     if a.all_reduce {
+        if a.profiler_range {
+            bail!("--profiler-range brackets a model's decode, not --all-reduce");
+        }
         return all_reduce(&a, &opts);
     }
     let (mut backend, cfg, bytes, name): (Box<dyn DecodeBackend>, ModelConfig, u64, String) =
@@ -188,6 +193,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let mut prefill_ms = Vec::new();
     let mut step_ms = Vec::new();
     let device = backend.has_device_decode() && !a.model.host_loop;
+    if a.profiler_range && !device {
+        bail!("--profiler-range needs the device loop (--device cuda, without --host-loop)");
+    }
     let (mut enqueue_s, mut replays, mut capture_ms) = (0.0f64, 0u64, None);
     for run in 0..=a.runs {
         let t = Instant::now();

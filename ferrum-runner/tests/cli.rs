@@ -170,6 +170,18 @@ fn bench_reports_json() {
     assert!(v["weight_bytes_per_token"].as_u64().unwrap() > 0);
 }
 
+#[test]
+fn profiler_range_without_the_device_loop_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let err =
+        fails(&["bench", "--model", m, "--prompt-tokens", "4", "--gen-tokens", "2", "--runs", "1", "--profiler-range"]);
+    assert!(err.contains("--profiler-range needs the device loop"), "{err}");
+    let err = fails(&["bench", "--all-reduce", "--profiler-range"]);
+    assert!(err.contains("--profiler-range") && err.contains("--all-reduce"), "{err}");
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_says_how_to_get_it() {
