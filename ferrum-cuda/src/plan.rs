@@ -77,6 +77,18 @@ pub fn gemv_split_k_cap(value: Option<&str>) -> crate::Result<u32> {
     }
 }
 
+/// `FERRUM_GEMV_WARPS_PER_SM` (`None` when unset: [`GEMV_WARPS_PER_SM`]): the two-row warps
+/// per multiprocessor that the GEMV split-K factor aims at, 1..=64.
+pub fn gemv_warps_per_sm(value: Option<&str>) -> crate::Result<usize> {
+    Ok(knob("FERRUM_GEMV_WARPS_PER_SM", value, 1, 64)?.unwrap_or(GEMV_WARPS_PER_SM))
+}
+
+/// `FERRUM_SMEM_CARVEOUT` (`None` when unset: the driver picks per kernel): the percentage
+/// (0..=100) of the unified L1 / shared memory that every kernel prefers as shared memory.
+pub fn smem_carveout(value: Option<&str>) -> crate::Result<Option<usize>> {
+    knob("FERRUM_SMEM_CARVEOUT", value, 0, 100)
+}
+
 /// GEMV launch variants the start-up tuning chooses from (the CUDA runner's `GEMV_VARIANTS`).
 pub const GEMV_VARIANT_COUNT: usize = 4;
 
@@ -309,6 +321,23 @@ mod tests {
         }
         let gemv = include_str!("../kernels/gemv.cu");
         assert!(define(gemv, "GEMV_MAX_KS") >= GEMV_MAX_KS as usize);
+    }
+
+    #[test]
+    fn warps_per_sm_and_carveout_knobs() {
+        assert_eq!(gemv_warps_per_sm(None).unwrap(), GEMV_WARPS_PER_SM);
+        assert_eq!(gemv_warps_per_sm(Some("16")).unwrap(), 16);
+        for bad in ["0", "65", "x", ""] {
+            let e = gemv_warps_per_sm(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_WARPS_PER_SM") && e.contains("1..=64"), "{bad:?}: {e}");
+        }
+        assert_eq!(smem_carveout(None).unwrap(), None);
+        assert_eq!(smem_carveout(Some("0")).unwrap(), Some(0));
+        assert_eq!(smem_carveout(Some("100")).unwrap(), Some(100));
+        for bad in ["101", "-1", "half"] {
+            let e = smem_carveout(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_SMEM_CARVEOUT") && e.contains("0..=100"), "{bad:?}: {e}");
+        }
     }
 
     #[test]

@@ -425,8 +425,7 @@ impl Kernels {
         let set = if pdl { ptx::MODULES_SM90 } else { ptx::MODULES };
         // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
         // as shared memory (for A/B runs: by default the driver picks per kernel).
-        let carveout =
-            crate::plan::knob("FERRUM_SMEM_CARVEOUT", std::env::var("FERRUM_SMEM_CARVEOUT").ok().as_deref(), 0, 100)?;
+        let carveout = crate::plan::smem_carveout(std::env::var("FERRUM_SMEM_CARVEOUT").ok().as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -471,7 +470,7 @@ impl Kernels {
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT").as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
-        let gemv_warps_per_sm = knob("FERRUM_GEMV_WARPS_PER_SM", 1, 64)?.unwrap_or(crate::plan::GEMV_WARPS_PER_SM);
+        let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM").as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
         tracing::debug!(
             pdl,
