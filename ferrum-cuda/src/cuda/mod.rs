@@ -1325,9 +1325,11 @@ const TUNE_CHAINS: usize = 5;
 /// that they stream from memory as in a decode step (a single matrix re-read, as the earlier
 /// tuning timed it, sits in L2 whenever it is smaller, which favours other variants), and
 /// consecutive launches overlap through programmatic dependent launch as the step's kernels
-/// do. Every variant is timed under the same conditions, and a chain averages over as many
-/// launches as the step makes, so the choice no longer flips between runs on timing noise of
-/// single launches.
+/// do. Every variant is timed under the same conditions, and a layer chain averages over as
+/// many launches as the step makes, so the choice no longer flips between runs on timing noise
+/// of single launches. (The LM head's chain re-reads one matrix, partly from the L2 when it is
+/// smaller than the L2; launches of a few µs, SmolLM2-135M's, may be queued no faster than the
+/// GPU runs them, so their chains can include host time.)
 fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights, sms: usize) -> Result<()> {
     if w.layers.is_empty() {
         return Ok(());
