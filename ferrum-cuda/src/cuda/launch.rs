@@ -423,9 +423,13 @@ impl Kernels {
         let (major, _) = ctx.compute_capability().map_err(Error::driver("compute capability"))?;
         let pdl = major >= 9 && std::env::var("FERRUM_PDL").map_or(true, |v| v.trim() != "0");
         let set = if pdl { ptx::MODULES_SM90 } else { ptx::MODULES };
+        // Measurement knobs (A/B runs; documented in the crate README), read before the
+        // kernels load because one of them sets a function attribute.
+        let env = |name: &str| std::env::var(name).ok();
+        let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
         // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
-        // as shared memory (for A/B runs: by default the driver picks per kernel).
-        let carveout = crate::plan::smem_carveout(std::env::var("FERRUM_SMEM_CARVEOUT").ok().as_deref())?;
+        // as shared memory (by default the driver picks per kernel).
+        let carveout = crate::plan::smem_carveout(env("FERRUM_SMEM_CARVEOUT").as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -462,10 +466,9 @@ impl Kernels {
                 ))
             })?,
         };
-        // Measurement knobs (A/B runs; documented in the crate README): the widest hidden size
-        // whose decode fuses the norms, and a fixed KV split count for every sequence.
-        let env = |name: &str| std::env::var(name).ok();
-        let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
+        // The other knobs: the widest hidden size whose decode fuses the norms, a fixed KV
+        // split count for every sequence, one GEMV variant for every shape, the GEMV split-K
+        // cap and target, and the tensor-core attention threshold.
         let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT").as_deref())?;
@@ -481,6 +484,7 @@ impl Kernels {
             gemv_max_ks,
             gemv_warps_per_sm,
             attn_tc_min_capacity,
+            ?carveout,
             "kernels loaded"
         );
         Ok(Kernels {

@@ -1319,17 +1319,22 @@ const TUNE_CHAINS: usize = 5;
 /// Times every GEMV variant on each decode projection shape and keeps the fastest per shape.
 /// All variants give bit-identical results, so this changes speed only.
 ///
-/// A variant's time is the median of [`TUNE_CHAINS`] chains, each one launch of the shape's
-/// GEMV per layer, over that layer's own matrix (the LM head: [`TUNE_HEAD_CHAIN`] launches),
-/// with a zero input. Before each chain a memset twice the L2's size evicts the weights, so
-/// that they stream from memory as in a decode step (a single matrix re-read, as the earlier
-/// tuning timed it, sits in L2 whenever it is smaller, which favours other variants), and
-/// consecutive launches overlap through programmatic dependent launch as the step's kernels
-/// do. Every variant is timed under the same conditions, and a layer chain averages over as
-/// many launches as the step makes, so the choice no longer flips between runs on timing noise
-/// of single launches. (The LM head's chain re-reads one matrix, partly from the L2 when it is
-/// smaller than the L2; launches of a few µs, SmolLM2-135M's, may be queued no faster than the
-/// GPU runs them, so their chains can include host time.)
+/// A variant's time is the median of [`TUNE_CHAINS`] chains of launches with a zero input:
+/// for a layer's projection, one launch per layer over that layer's own matrix; for the LM
+/// head, [`TUNE_HEAD_CHAIN`] launches over its one matrix. Before each chain a memset of twice
+/// the L2's size evicts the weights, so that they stream from memory as in a decode step (one
+/// matrix re-launched, as the earlier tuning timed it, sat in the L2 whenever it was smaller,
+/// which favours other variants), and consecutive launches overlap through programmatic
+/// dependent launch as the step's kernels do. Every variant is timed under the same
+/// conditions, and a layer chain averages over as many launches as the step makes, so the
+/// choice no longer flips between runs on the noise of single launches. Where it differs from
+/// the step: the memset leaves written lines in the L2 for the chain's first reads to evict;
+/// an LM head smaller than the L2 is partly cached after its first launch; and launches of a
+/// few µs (SmolLM2-135M's) may be queued no faster than the GPU runs them, so their chains
+/// include host time.
+///
+/// With `FERRUM_GEMV_VARIANT` set nothing is timed. The flush buffer is for speed only: when
+/// it does not fit beside the weights the chains run without it (a warning says so).
 fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Weights, sms: usize) -> Result<()> {
     if w.layers.is_empty() {
         return Ok(());
@@ -1343,6 +1348,19 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         (s.hidden, s.intermediate, false, of(|l| &l.wdown)),
         (s.vocab, s.hidden, false, vec![head; TUNE_HEAD_CHAIN]),
     ];
+    // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
+    // variants timed below all share it, so the choice changes speed only.
+    let ks_of = |rows: usize, cols: usize, gateup: bool| {
+        gemv_split_k_for(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm)
+    };
+    if let Some(i) = k.gemv_variant {
+        // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
+        for (rows, cols, gateup, _) in &shapes {
+            let v = GemvVariant { ks: ks_of(*rows, *cols, *gateup), ..GEMV_VARIANTS[i] };
+            k.gemv_table.entry((*rows, *cols, *gateup)).or_insert(v);
+        }
+        return Ok(());
+    }
     let st = k.stream.clone();
     let widest = shapes.iter().map(|x| x.1).max().unwrap_or(1);
     let tallest = shapes.iter().map(|x| x.0).max().unwrap_or(1);
@@ -1352,7 +1370,14 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
         .map_err(Error::driver("device attribute"))?
         .max(1 << 20) as usize;
-    let mut flush = alloc::<u8>(ctx, &st, 2 * l2, "GEMV tuning L2 flush")?;
+    let mut flush = match alloc::<u8>(ctx, &st, 2 * l2, "GEMV tuning L2 flush") {
+        Ok(f) => Some(f),
+        Err(e @ Error::OutOfMemory { .. }) => {
+            tracing::warn!(%e, "GEMV tuning without the L2 flush");
+            None
+        }
+        Err(e) => return Err(e),
+    };
     let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(Error::driver("creating an event"));
     let (e0, e1) = (ev()?, ev()?);
     for (rows, cols, gateup, mats) in shapes {
@@ -1360,21 +1385,16 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         if k.gemv_table.contains_key(&key) {
             continue;
         }
-        // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
-        // variants timed here all share it, so the choice changes speed only.
-        let ks = gemv_split_k_for(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm);
-        if let Some(i) = k.gemv_variant {
-            // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
-            k.gemv_table.insert(key, GemvVariant { ks, ..GEMV_VARIANTS[i] });
-            continue;
-        }
+        let ks = ks_of(rows, cols, gateup);
         let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
         for v in GEMV_VARIANTS {
             let v = GemvVariant { ks, ..v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(TUNE_CHAINS);
             for chain in 0..=TUNE_CHAINS {
-                st.memset_zeros(&mut flush).map_err(Error::driver("GEMV tuning L2 flush"))?;
+                if let Some(f) = flush.as_mut() {
+                    st.memset_zeros(f).map_err(Error::driver("GEMV tuning L2 flush"))?;
+                }
                 e0.record(&st).map_err(Error::driver("event record"))?;
                 for wb in &mats {
                     let (yr, wr, xr) = (region(&y, &st, 0, rows)?, whole(wb, &st)?, region(&x, &st, 0, cols)?);
