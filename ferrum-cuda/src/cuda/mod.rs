@@ -8,9 +8,10 @@ use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
 };
-use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUresult};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice,
+    ValidAsZeroBits,
 };
 use launch::{region, whole, ArgmaxSplit, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
@@ -1311,6 +1312,19 @@ impl CudaDecodeRunner {
     }
 }
 
+/// Captures what `enqueue` queues on `st` into a graph (thread-local capture mode). The capture
+/// is ended whatever `enqueue` returns, so that the stream stays usable after an error.
+fn capture_chain(st: &Arc<CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
+    st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(Error::driver("beginning a GEMV tuning capture"))?;
+    let queued = enqueue();
+    let ended = st.end_capture(CUgraphInstantiate_flags(0));
+    queued?;
+    ended
+        .map_err(Error::driver("ending a GEMV tuning capture"))?
+        .ok_or_else(|| Error::Driver { what: "a GEMV tuning capture", msg: "the captured graph is empty".into() })
+}
+
 /// Launches of the LM head's GEMV per timed chain in [`tune_gemv`] (one matrix, re-read).
 const TUNE_HEAD_CHAIN: usize = 3;
 /// Timed chains per variant in [`tune_gemv`] (after one untimed warm-up chain); the median counts.
@@ -1329,9 +1343,9 @@ const TUNE_CHAINS: usize = 5;
 /// conditions, and a layer chain averages over as many launches as the step makes, so the
 /// choice no longer flips between runs on the noise of single launches. Where it differs from
 /// the step: the memset leaves written lines in the L2 for the chain's first reads to evict;
-/// an LM head smaller than the L2 is partly cached after its first launch; and launches of a
-/// few µs (SmolLM2-135M's) may be queued no faster than the GPU runs them, so their chains
-/// include host time.
+/// and an LM head smaller than the L2 is partly cached after its first launch. Each chain is
+/// captured into a graph once per variant and replayed, so launches of a few µs
+/// (SmolLM2-135M's, about as long to queue as to run) are timed on the device alone.
 ///
 /// With `FERRUM_GEMV_VARIANT` set nothing is timed. The flush buffer is for speed only: when
 /// it does not fit beside the weights the chains run without it (a warning says so).
@@ -1391,11 +1405,9 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
             let v = GemvVariant { ks, ..v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(TUNE_CHAINS);
-            for chain in 0..=TUNE_CHAINS {
-                if let Some(f) = flush.as_mut() {
-                    st.memset_zeros(f).map_err(Error::driver("GEMV tuning L2 flush"))?;
-                }
-                e0.record(&st).map_err(Error::driver("event record"))?;
+            // The chain as one graph, so that its launches are all queued on the device when
+            // it starts and no host enqueue time enters the timing.
+            let graph = capture_chain(&st, || {
                 for wb in &mats {
                     let (yr, wr, xr) = (region(&y, &st, 0, rows)?, whole(wb, &st)?, region(&x, &st, 0, cols)?);
                     if gateup {
@@ -1404,6 +1416,15 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
                         k.gemv(yr, wr, xr, rows, cols)?;
                     }
                 }
+                Ok(())
+            })?;
+            graph.upload().map_err(Error::driver("uploading a GEMV tuning graph"))?;
+            for chain in 0..=TUNE_CHAINS {
+                if let Some(f) = flush.as_mut() {
+                    st.memset_zeros(f).map_err(Error::driver("GEMV tuning L2 flush"))?;
+                }
+                e0.record(&st).map_err(Error::driver("event record"))?;
+                graph.launch().map_err(Error::driver("launching a GEMV tuning graph"))?;
                 e1.record(&st).map_err(Error::driver("event record"))?;
                 e1.synchronize().map_err(Error::driver("event sync"))?;
                 if chain > 0 {
