@@ -72,6 +72,12 @@ kernels! {
     /// The same, copying the split's past K/V rows to shared memory before its wait.
     AttnRopeEarlyF16 => "ferrum_attn_rope_early_f16" in "attention",
     AttnRopeEarlyBf16 => "ferrum_attn_rope_early_bf16" in "attention",
+    /// `AttnRope*` / `AttnRopeEarly*` with their own kernel for head dim 128
+    /// (`plan::ATTN_OWN_HEAD_DIMS`; same signature, bit-identical).
+    AttnRopeHd128F16 => "ferrum_attn_rope_hd128_f16" in "attention",
+    AttnRopeHd128Bf16 => "ferrum_attn_rope_hd128_bf16" in "attention",
+    AttnRopeEarlyHd128F16 => "ferrum_attn_rope_early_hd128_f16" in "attention",
+    AttnRopeEarlyHd128Bf16 => "ferrum_attn_rope_early_hd128_bf16" in "attention",
     /// Prefill attention on tensor cores (head dims 16, 32, 64, 96, 128).
     AttnPrefillF16 => "ferrum_attn_prefill_f16" in "attention",
     AttnPrefillBf16 => "ferrum_attn_prefill_bf16" in "attention",

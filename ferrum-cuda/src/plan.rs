@@ -100,6 +100,23 @@ pub fn gemv_variant(value: Option<&str>) -> crate::Result<Option<usize>> {
 
 /// Most warps per block of the decode attention (attention.cu's `ATTN_MAX_WARPS`).
 pub const ATTN_MAX_WARPS: u32 = 8;
+/// Head dims whose fused decode attention (`ferrum_attn_rope_*`) runs its own one-instance
+/// kernel (`ferrum_attn_rope_hd128_*`, `ferrum_attn_rope_early_hd128_*`) instead of the generic
+/// kernel's head-dim switch: bit-identical, and fewer registers (76 against the generic
+/// kernel's 102), so more of the next GEMV's warps are resident while it runs. Measured on one
+/// H200 (session 20, call 3, three rounds alternating with the generic kernel): Llama-3-8B
+/// (head dim 128) **259 / 259 / 259 vs 247 / 247 / 247 tok/s**. Head dim 64 was measured too
+/// and left out: Llama-3.2-1B 1282 / 1281 / 1282 vs 1298 / 1298 / 1301, SmolLM2-135M
+/// 2475 / 2283 / 2284 vs 2373 / 2371 / 2377. `FERRUM_ATTN_HD_KERNELS=0` turns them off
+/// ([`attn_head_dim_kernels`]).
+pub const ATTN_OWN_HEAD_DIMS: &[usize] = &[128];
+
+/// `FERRUM_ATTN_HD_KERNELS` (`None` when unset: on): whether the head dims of
+/// [`ATTN_OWN_HEAD_DIMS`] take their own decode attention kernel, 0 or 1.
+pub fn attn_head_dim_kernels(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_ATTN_HD_KERNELS", value, 0, 1)?.is_none_or(|v| v == 1))
+}
+
 /// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
 /// others take the row-walking kernel.
 pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
@@ -337,6 +354,25 @@ mod tests {
         for bad in ["101", "-1", "half"] {
             let e = smem_carveout(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_SMEM_CARVEOUT") && e.contains("0..=100"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn head_dim_kernels_knob_and_source() {
+        assert!(attn_head_dim_kernels(None).unwrap());
+        assert!(attn_head_dim_kernels(Some("1")).unwrap());
+        assert!(!attn_head_dim_kernels(Some("0")).unwrap());
+        for bad in ["2", "-1", "", "on"] {
+            let e = attn_head_dim_kernels(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_ATTN_HD_KERNELS") && e.contains("0..=1"), "{bad:?}: {e}");
+        }
+        // Every own head dim has its kernels in attention.cu, and is a supported head dim.
+        let src = include_str!("../kernels/attention.cu");
+        for hd in ATTN_OWN_HEAD_DIMS {
+            assert!(crate::spec::SUPPORTED_HEAD_DIMS.contains(hd), "head dim {hd}");
+            for s in ["f16, f16", "bf16, bf16"] {
+                assert!(src.contains(&format!("FERRUM_ATTN_ROPE_HD({s}, {hd})")), "head dim {hd} ({s})");
+            }
         }
     }
 

@@ -775,6 +775,93 @@ fn attention_every_head_dim() {
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
 }
 
+/// The fused decode attention's own kernels per head dim (`plan::ATTN_OWN_HEAD_DIMS`) against
+/// the generic kernel's head-dim switch: bit-identical logits, in both dtypes, on the path that
+/// copies the split's rows before the wait (a short cache) and on the one that walks them after
+/// it (a long split), with one split and with five; the kernel that ran is checked by name, and
+/// the logits against the CPU reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn attention_head_dim_kernels_are_bit_identical() {
+    let mut failures = Vec::new();
+    for &hd in plan::ATTN_OWN_HEAD_DIMS {
+        let a = Arch {
+            name: "own-hd",
+            bias: true,
+            qk_norm: true,
+            tied: false,
+            head_dim: hd,
+            heads: 8,
+            kv_heads: 2,
+            hidden: 256,
+            inter: 512,
+            layers: 2,
+            vocab: 300,
+        };
+        for dtype in [DType::BF16, DType::F16] {
+            // (prompt, capacity): 20 rows fit the early copies; 300 rows in one split do not.
+            for (prompt, cap) in [(20usize, 32usize), (300, 320)] {
+                let steps = 4;
+                let (s, w, _) = build(a, dtype, 9);
+                let mut rf = Ref::new(&s, &w);
+                let mut rng = Rng(23);
+                let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
+                let mut want = Vec::new();
+                for &t in &toks {
+                    want = rf.step(t);
+                }
+                let mut fed = Vec::new();
+                let mut refs = Vec::new();
+                for _ in 0..steps {
+                    fed.push(argmax(&want));
+                    want = rf.step(*fed.last().unwrap());
+                    refs.push(want.clone());
+                }
+                for splits in [1usize, 5] {
+                    let mut runs = Vec::new();
+                    for own in [true, false] {
+                        let (_, _, mut r) = build(a, dtype, 9);
+                        r.set_attn_head_dim_kernels(own);
+                        r.init_sequence(1, cap).unwrap();
+                        r.set_attention_splits(1, splits).unwrap();
+                        r.prefill(1, &toks).unwrap();
+                        let (mut got, mut logits, mut worst) = (Vec::new(), Vec::new(), 0.0f64);
+                        for (i, &t) in fed.iter().enumerate() {
+                            let prof = r.profile_decode_step(1, t, prompt + i).unwrap();
+                            let mine = prof.iter().filter(|(n, _)| n.contains(&format!("_hd{hd}_"))).count();
+                            let fused = prof.iter().filter(|(n, _)| n.starts_with("ferrum_attn_rope_")).count();
+                            if fused != a.layers || mine != if own { a.layers } else { 0 } {
+                                failures.push(format!(
+                                    "hd {hd} {dtype:?} prompt {prompt} splits {splits} own {own}: {fused} fused, {mine} own-head-dim attention launches"
+                                ));
+                            }
+                            r.logits_to_host(&mut got).unwrap();
+                            worst = worst.max(rel_err(&got, &refs[i]));
+                            logits.push(got.clone());
+                        }
+                        println!(
+                            "OWN-HD hd {hd} {:<4} prompt {prompt:<3} splits {splits} own {own:<5}: max rel err {worst:.2e} (tol {:.0e})",
+                            dtype.name(),
+                            tol(dtype)
+                        );
+                        if worst > tol(dtype) {
+                            failures.push(format!(
+                                "hd {hd} {dtype:?} prompt {prompt} splits {splits} own {own}: rel err {worst:.3e}"
+                            ));
+                        }
+                        runs.push(logits.concat());
+                    }
+                    let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    if bits(&runs[0]) != bits(&runs[1]) {
+                        failures.push(format!("hd {hd} {dtype:?} prompt {prompt} splits {splits}: not bit-identical"));
+                    }
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+}
+
 /// Split-K GEMVs (several warps per row group, each over its own column stripes, summed in a
 /// fixed order): a model wide enough that every projection splits (hidden 512: two stripes of
 /// 256 columns; intermediate 2048: the cap of 4), in both dtypes and through every GEMV

@@ -278,7 +278,19 @@ pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 4096;
 /// the dynamic shared memory of `plan::attn_dyn_bytes`.
 fn is_decode_attention(k: Kernel) -> bool {
     use Kernel::*;
-    matches!(k, AttnF16 | AttnBf16 | AttnRopeF16 | AttnRopeBf16 | AttnRopeEarlyF16 | AttnRopeEarlyBf16)
+    matches!(
+        k,
+        AttnF16
+            | AttnBf16
+            | AttnRopeF16
+            | AttnRopeBf16
+            | AttnRopeEarlyF16
+            | AttnRopeEarlyBf16
+            | AttnRopeHd128F16
+            | AttnRopeHd128Bf16
+            | AttnRopeEarlyHd128F16
+            | AttnRopeEarlyHd128Bf16
+    )
 }
 
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
@@ -324,6 +336,9 @@ pub(crate) struct Kernels {
     /// (`plan::attn_tensor_core`; `plan::ATTN_TC_MIN_CAPACITY`, or
     /// `FERRUM_ATTN_TC_MIN_CAPACITY`).
     pub(crate) attn_tc_min_capacity: usize,
+    /// The fused decode attention runs its own kernel for the head dims of
+    /// `plan::ATTN_OWN_HEAD_DIMS` (`FERRUM_ATTN_HD_KERNELS`, default on; bit-identical).
+    pub(crate) attn_head_dim_kernels: bool,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
@@ -475,6 +490,7 @@ impl Kernels {
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM").as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
+        let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS").as_deref())?;
         tracing::debug!(
             pdl,
             ?fusion,
@@ -484,6 +500,7 @@ impl Kernels {
             gemv_max_ks,
             gemv_warps_per_sm,
             attn_tc_min_capacity,
+            attn_head_dim_kernels,
             ?carveout,
             "kernels loaded"
         );
@@ -505,6 +522,7 @@ impl Kernels {
             gemv_max_ks,
             gemv_warps_per_sm,
             attn_tc_min_capacity,
+            attn_head_dim_kernels,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
             fuse_push: fusion.push,
@@ -797,10 +815,16 @@ impl Kernels {
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
         let early = rope.as_ref().is_some_and(|r| r.early);
-        let kernel = match (&rope_args, early) {
-            (None, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
-            (Some(_), true) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
-            (Some(_), false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+        // The fused kernels of head dim 128 have their own instance (plan::ATTN_OWN_HEAD_DIMS;
+        // the same signature, the head dim passed and ignored).
+        let own = self.attn_head_dim_kernels && head_dim == 128;
+        debug_assert!(!own || crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim));
+        let kernel = match (&rope_args, early, own) {
+            (None, _, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
+            (Some(_), true, false) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
+            (Some(_), false, false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+            (Some(_), true, true) => pick(self.dtype, Kernel::AttnRopeEarlyHd128F16, Kernel::AttnRopeEarlyHd128Bf16),
+            (Some(_), false, true) => pick(self.dtype, Kernel::AttnRopeHd128F16, Kernel::AttnRopeHd128Bf16),
         };
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
@@ -833,7 +857,8 @@ impl Kernels {
         // the split holding position pos < capacity; the kernel checks) writes cache row
         // [kvh][pos][0..hd) in both caches, a row no block of the launch reads; there the
         // caches are T* (same ABI) and the extra parameters (const T* x3, const f32*, float)
-        // follow in that order. The early copies (rope with `early`: the `_early` kernel, same
+        // follow in that order (the `_hd128` kernels, launched for head dim 128 only, have the
+        // same signature). The early copies (rope with `early`: the `_early` kernel, same
         // signature) write only the launch's dynamic shared memory, 2 * ATTN_EARLY_ROWS
         // 16-byte chunks per thread after the merge buffer, which is what attn_dyn_bytes gives,
         // within the attn_max_dyn_bytes the kernels were allowed at load (the kernel checks

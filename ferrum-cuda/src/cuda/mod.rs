@@ -1261,6 +1261,15 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Whether the fused decode attention runs its own kernel for the head dims of
+    /// `plan::ATTN_OWN_HEAD_DIMS` (default on, or `FERRUM_ATTN_HD_KERNELS`); off, the generic
+    /// kernel runs. Bit-identical either way. For tests and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_attn_head_dim_kernels(&mut self, on: bool) {
+        self.k.attn_head_dim_kernels = on;
+        self.generation += 1;
+    }
+
     /// How the last decode step's attention merged its KV splits: `"none"` (one split),
     /// `"cluster"` (distributed shared memory in a thread-block cluster), `"ticket"` (the last
     /// split block, through global memory) or `"combine"` (a separate kernel). For tests.
