@@ -162,8 +162,27 @@ pub const PREFILL_WARPS: u32 = 4;
 /// rows per split), and for long caches at most [`ATTN_ROWS_PER_SPLIT`] rows per split; capped
 /// at [`MAX_SPLITS`].
 pub fn attn_splits(capacity: usize, heads: usize, sms: usize) -> usize {
+    splits_of(capacity, heads, sms, ATTN_ROWS_PER_SPLIT)
+}
+
+/// Target cache rows per split of the tensor-core decode attention (`ferrum_attn_gqa_*`, the
+/// caches of [`attn_tensor_core`]): one warp walks a split for a whole KV group, and the
+/// combine kernel after it merges every split, so fewer, longer splits than the row-walking
+/// kernel's pay. Measured on one H200 (session 20, call 7, Llama-3-8B at 8192 rows, two rounds
+/// alternating, `FERRUM_ATTN_SPLITS`): 64 splits of 128 rows (the row-walking target) 217 / 217
+/// tok/s, **32 of 256 rows 220 / 220**, 16 of 512 rows 211 / 211. Caches of 1024–4096 rows
+/// (9–16 splits by this rule, 9–32 by the row-walking one) were not measured.
+pub const ATTN_TC_ROWS_PER_SPLIT: usize = 256;
+
+/// [`attn_splits`] for a sequence whose decode runs the tensor-core attention: the same
+/// spread for parallelism, with [`ATTN_TC_ROWS_PER_SPLIT`] rows per split for long caches.
+pub fn attn_splits_tc(capacity: usize, heads: usize, sms: usize) -> usize {
+    splits_of(capacity, heads, sms, ATTN_TC_ROWS_PER_SPLIT)
+}
+
+fn splits_of(capacity: usize, heads: usize, sms: usize, rows_per_split: usize) -> usize {
     let wide = (2 * sms).div_ceil(heads.max(1)).min(capacity.div_ceil(ATTN_MIN_ROWS_PER_SPLIT));
-    wide.max(capacity.div_ceil(ATTN_ROWS_PER_SPLIT)).clamp(1, MAX_SPLITS)
+    wide.max(capacity.div_ceil(rows_per_split)).clamp(1, MAX_SPLITS)
 }
 
 /// How the fused decode attention runs over splits of at most `rows` cache rows of
@@ -252,6 +271,12 @@ mod tests {
         assert_eq!(attn_splits(8192, 32, H200_SMS), 64);
         assert_eq!(attn_splits(100_000, 32, H200_SMS), MAX_SPLITS);
         assert_eq!(attn_splits(1, 32, H200_SMS), 1);
+        // The tensor-core kernel's longer splits: 8B at 8k context 32 instead of 64; short
+        // and mid-size caches keep the spread for parallelism.
+        assert_eq!(attn_splits_tc(8192, 32, H200_SMS), 32);
+        assert_eq!(attn_splits_tc(4096, 32, H200_SMS), 16);
+        assert_eq!(attn_splits_tc(1024, 32, H200_SMS), attn_splits(1024, 32, H200_SMS));
+        assert_eq!(attn_splits_tc(1 << 20, 32, H200_SMS), MAX_SPLITS);
         // Head dim 128 (G = 16, two rows per warp): 4 warps hold 32 early rows, 8 warps 64,
         // beyond that 4 warps and no early copies.
         assert_eq!(attn_warps(128, 32), (4, true));

@@ -3,7 +3,7 @@ mod launch;
 pub mod peer;
 
 use crate::error::{Error, Result};
-use crate::plan::{attn_splits, attn_warps, gemv_split_k_for, MAX_SPLITS};
+use crate::plan::{attn_splits, attn_splits_tc, attn_warps, gemv_split_k_for, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -817,7 +817,10 @@ impl CudaDecodeRunner {
         let what = format!("KV cache of sequence {seq} ({capacity} tokens, V)");
         let v = alloc::<u16>(&self.ctx, &self.k.stream, n, &what)?;
         let history = alloc::<u32>(&self.ctx, &self.k.stream, capacity + 1, "token history")?;
-        let n_splits = attn_splits(capacity, s.heads, self.sms);
+        // The tensor-core decode attention (long caches) takes longer splits than the
+        // row-walking kernel (plan::ATTN_TC_ROWS_PER_SPLIT).
+        let tc = crate::plan::attn_tensor_core(s.head_dim, s.heads, s.kv_heads, capacity, self.k.attn_tc_min_capacity);
+        let n_splits = if tc { attn_splits_tc } else { attn_splits }(capacity, s.heads, self.sms);
         let n_splits = self.k.attn_splits.unwrap_or(n_splits);
         self.seqs.insert(seq, Sequence { k, v, history, capacity, len: 0, n_splits });
         Ok(())
