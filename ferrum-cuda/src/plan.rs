@@ -42,8 +42,9 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
 
 /// Most KV splits of the decode attention.
 pub const MAX_SPLITS: usize = 64;
-/// Target cache rows per split of the decode attention for long caches (above
-/// `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer).
+/// Target cache rows per split of the row-walking decode attention for long caches (above
+/// `MAX_SPLITS * ATTN_ROWS_PER_SPLIT` rows the split cap wins and splits grow longer); the
+/// tensor-core decode attention targets [`ATTN_TC_ROWS_PER_SPLIT`] ([`attn_splits_tc`]).
 pub const ATTN_ROWS_PER_SPLIT: usize = 128;
 /// Fewest cache rows per split when short caches are split for parallelism. Measured on one
 /// H200 (session 11, 384-token cache, `FERRUM_ATTN_SPLITS` A/B within one device call): with
@@ -156,7 +157,8 @@ pub fn attn_tensor_core(head_dim: usize, heads: usize, kv_heads: usize, capacity
 /// rows, so a block covers `16 * PREFILL_WARPS` rows.
 pub const PREFILL_WARPS: u32 = 4;
 
-/// KV splits of the decode attention for a sequence of `capacity` tokens, fixed per sequence so
+/// KV splits of the row-walking decode attention (short caches; [`attn_splits_tc`] for the
+/// tensor-core one) for a sequence of `capacity` tokens, fixed per sequence so
 /// the grid never changes (the kernel spreads the current length over them): at least about
 /// two blocks per multiprocessor over the `heads` (but at least [`ATTN_MIN_ROWS_PER_SPLIT`]
 /// rows per split), and for long caches at most [`ATTN_ROWS_PER_SPLIT`] rows per split; capped

@@ -783,6 +783,7 @@ fn attention_every_head_dim() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn attention_head_dim_kernels_are_bit_identical() {
+    assert!(!plan::ATTN_OWN_HEAD_DIMS.is_empty(), "no head dim has its own kernel: nothing to test");
     let mut failures = Vec::new();
     for &hd in plan::ATTN_OWN_HEAD_DIMS {
         let a = Arch {
@@ -830,6 +831,16 @@ fn attention_head_dim_kernels_are_bit_identical() {
                             let prof = r.profile_decode_step(1, t, prompt + i).unwrap();
                             let mine = prof.iter().filter(|(n, _)| n.contains(&format!("_hd{hd}_"))).count();
                             let fused = prof.iter().filter(|(n, _)| n.starts_with("ferrum_attn_rope_")).count();
+                            // The copy-before-wait kernel runs where a split's rows fit its
+                            // copies (plan::attn_warps) and there is a wait to run ahead of (the
+                            // compute_90 kernels): the short cache, and the long one in 5 splits.
+                            let early = prof.iter().filter(|(n, _)| n.starts_with("ferrum_attn_rope_early_")).count();
+                            let want_early = plan::attn_warps(hd, cap.div_ceil(splits)).1 && r.programmatic_launch();
+                            if early != if want_early { a.layers } else { 0 } {
+                                failures.push(format!(
+                                    "hd {hd} {dtype:?} prompt {prompt} splits {splits} own {own}: {early} early-copy attention launches"
+                                ));
+                            }
                             if fused != a.layers || mine != if own { a.layers } else { 0 } {
                                 failures.push(format!(
                                     "hd {hd} {dtype:?} prompt {prompt} splits {splits} own {own}: {fused} fused, {mine} own-head-dim attention launches"

@@ -438,13 +438,39 @@ impl Kernels {
         let (major, _) = ctx.compute_capability().map_err(Error::driver("compute capability"))?;
         let pdl = major >= 9 && std::env::var("FERRUM_PDL").map_or(true, |v| v.trim() != "0");
         let set = if pdl { ptx::MODULES_SM90 } else { ptx::MODULES };
-        // Measurement knobs (A/B runs; documented in the crate README), read before the
-        // kernels load because one of them sets a function attribute.
-        let env = |name: &str| std::env::var(name).ok();
-        let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name).as_deref(), lo, hi);
+        // Measurement knobs (A/B runs; documented in the crate README), all read before the
+        // kernels load, so that a bad value fails fast (and the carveout sets a function
+        // attribute at load). A value that is not UTF-8 is an error, not "unset".
+        let env = |name: &str| match std::env::var(name) {
+            Ok(v) => Ok(Some(v)),
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(_)) => {
+                Err(Error::InvalidArgument(format!("{name}: the value is not valid UTF-8")))
+            }
+        };
+        let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name)?.as_deref(), lo, hi);
         // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
         // as shared memory (by default the driver picks per kernel).
-        let carveout = crate::plan::smem_carveout(env("FERRUM_SMEM_CARVEOUT").as_deref())?;
+        let carveout = crate::plan::smem_carveout(env("FERRUM_SMEM_CARVEOUT")?.as_deref())?;
+        // `FERRUM_FUSE` picks the decode fusions (for A/B measurements; see `Fusion::parse`).
+        let fusion = match env("FERRUM_FUSE")? {
+            None => Fusion::ALL,
+            Some(v) => Fusion::parse(&v).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope, cluster, push"
+                ))
+            })?,
+        };
+        // The other knobs: the widest hidden size whose decode fuses the norms, a fixed KV
+        // split count for every sequence, one GEMV variant for every shape, the GEMV split-K
+        // cap and target, the tensor-core attention threshold, and the head-dim kernels.
+        let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
+        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
+        let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT")?.as_deref())?;
+        let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K")?.as_deref())?;
+        let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
+        let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
+        let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -472,25 +498,6 @@ impl Kernels {
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
-        // `FERRUM_FUSE` picks the decode fusions (for A/B measurements; see `Fusion::parse`).
-        let fusion = match std::env::var("FERRUM_FUSE") {
-            Err(_) => Fusion::ALL,
-            Ok(v) => Fusion::parse(&v).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "FERRUM_FUSE={v:?}: expected 0, 1, or a comma-separated list of merge, norms, rope, cluster, push"
-                ))
-            })?,
-        };
-        // The other knobs: the widest hidden size whose decode fuses the norms, a fixed KV
-        // split count for every sequence, one GEMV variant for every shape, the GEMV split-K
-        // cap and target, and the tensor-core attention threshold.
-        let norms_max_hidden = knob("FERRUM_FUSED_NORMS_MAX_HIDDEN", 0, 1 << 20)?.unwrap_or(FUSED_NORMS_MAX_HIDDEN);
-        let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
-        let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT").as_deref())?;
-        let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K").as_deref())?;
-        let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM").as_deref())?;
-        let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY").as_deref())?;
-        let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS").as_deref())?;
         tracing::debug!(
             pdl,
             ?fusion,
@@ -817,14 +824,16 @@ impl Kernels {
         let early = rope.as_ref().is_some_and(|r| r.early);
         // The fused kernels of head dim 128 have their own instance (plan::ATTN_OWN_HEAD_DIMS;
         // the same signature, the head dim passed and ignored).
-        let own = self.attn_head_dim_kernels && head_dim == 128;
-        debug_assert!(!own || crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim));
+        let own = self.attn_head_dim_kernels && crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim);
         let kernel = match (&rope_args, early, own) {
             (None, _, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
             (Some(_), true, false) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
             (Some(_), false, false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
-            (Some(_), true, true) => pick(self.dtype, Kernel::AttnRopeEarlyHd128F16, Kernel::AttnRopeEarlyHd128Bf16),
-            (Some(_), false, true) => pick(self.dtype, Kernel::AttnRopeHd128F16, Kernel::AttnRopeHd128Bf16),
+            (Some(_), early, true) => match (head_dim, early) {
+                (128, true) => pick(self.dtype, Kernel::AttnRopeEarlyHd128F16, Kernel::AttnRopeEarlyHd128Bf16),
+                (128, false) => pick(self.dtype, Kernel::AttnRopeHd128F16, Kernel::AttnRopeHd128Bf16),
+                _ => return Err(Error::Internal(format!("attn: no own kernel for head dim {head_dim}"))),
+            },
         };
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);

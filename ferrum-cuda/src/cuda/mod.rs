@@ -1264,6 +1264,12 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Whether the kernels launch with programmatic dependent launch (the compute_90 PTX on an
+    /// sm_90 or later GPU, unless `FERRUM_PDL=0`).
+    pub fn programmatic_launch(&self) -> bool {
+        self.k.pdl
+    }
+
     /// Whether the fused decode attention runs its own kernel for the head dims of
     /// `plan::ATTN_OWN_HEAD_DIMS` (default on, or `FERRUM_ATTN_HD_KERNELS`); off, the generic
     /// kernel runs. Bit-identical either way. For tests and A/B benchmarks.
