@@ -1236,8 +1236,9 @@ FERRUM_ATTN(bf16, bf16)
 // __launch_bounds__ matters: without it ptxas's default register heuristic gives the
 // one-instance kernel 64 registers and a 24-byte stack frame (spills), which measured 11%
 // slower at 8B (session 20, call 2); with it, +5% over the generic kernel (call 3).
-#define FERRUM_ATTN_ROPE_HD(S, T, HD)                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 1) ferrum_attn_rope_hd##HD##_##S(            \
+// One such kernel: NAME ferrum_attn_rope[_early]_hdHD_S, EARLY as in attn_impl.
+#define FERRUM_ATTN_ROPE_HD_KERNEL(NAME, T, HD, EARLY)                                             \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                     \
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
@@ -1245,22 +1246,13 @@ FERRUM_ATTN(bf16, bf16)
         __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
         extern __shared__ uint4 s_dyn[];                                                           \
         const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
-        attn_impl<T, HD, true, false>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml,     \
+        attn_impl<T, HD, true, EARLY>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml,     \
                                       counters, pos_base, heads, kv_heads, capacity, scale, smem,  \
                                       s_dyn, rope);                                                \
-    }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256, 1) ferrum_attn_rope_early_hd##HD##_##S(      \
-        const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
-        float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
-        int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
-        const T *k_norm, const float *inv_freq, float eps) {                                       \
-        __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
-        extern __shared__ uint4 s_dyn[];                                                           \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
-        attn_impl<T, HD, true, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml,      \
-                                     counters, pos_base, heads, kv_heads, capacity, scale, smem,   \
-                                     s_dyn, rope);                                                 \
     }
+#define FERRUM_ATTN_ROPE_HD(S, T, HD)                                                              \
+    FERRUM_ATTN_ROPE_HD_KERNEL(ferrum_attn_rope_hd##HD##_##S, T, HD, false)                        \
+    FERRUM_ATTN_ROPE_HD_KERNEL(ferrum_attn_rope_early_hd##HD##_##S, T, HD, true)
 
 FERRUM_ATTN_ROPE_HD(f16, f16, 128)
 FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)

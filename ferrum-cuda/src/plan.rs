@@ -57,6 +57,18 @@ pub const ATTN_MIN_ROWS_PER_SPLIT: usize = 64;
 /// wait (attention.cu's `ATTN_EARLY_ROWS`).
 pub const ATTN_EARLY_ROWS: usize = 4;
 
+/// A measurement knob's raw text from `std::env::var(name)`'s result: `None` when unset, an
+/// `InvalidArgument` error naming the variable when its value is not UTF-8 (never "unset").
+pub fn knob_text(name: &str, var: Result<String, std::env::VarError>) -> crate::Result<Option<String>> {
+    match var {
+        Ok(v) => Ok(Some(v)),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => {
+            Err(crate::Error::InvalidArgument(format!("{name}: the value is not valid UTF-8")))
+        }
+    }
+}
+
 /// Reads a measurement knob's value (an environment variable's, `None` when unset): a number in
 /// `lo..=hi`, else an `InvalidArgument` error naming the variable and the range.
 pub fn knob(name: &str, value: Option<&str>, lo: usize, hi: usize) -> crate::Result<Option<usize>> {
@@ -381,6 +393,20 @@ mod tests {
         for bad in ["101", "-1", "half"] {
             let e = smem_carveout(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_SMEM_CARVEOUT") && e.contains("0..=100"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn knob_text_refuses_values_that_are_not_utf8() {
+        use std::env::VarError;
+        assert_eq!(knob_text("FERRUM_X", Err(VarError::NotPresent)).unwrap(), None);
+        assert_eq!(knob_text("FERRUM_X", Ok("3".into())).unwrap().as_deref(), Some("3"));
+        #[cfg(unix)]
+        {
+            use std::os::unix::ffi::OsStringExt;
+            let bad = std::ffi::OsString::from_vec(vec![0x66, 0xff, 0x6f]);
+            let e = knob_text("FERRUM_X", Err(VarError::NotUnicode(bad))).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_X") && e.contains("UTF-8"), "{e}");
         }
     }
 

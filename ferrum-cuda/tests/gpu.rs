@@ -334,6 +334,33 @@ fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// The CPU reference over `prompt` random tokens (token seed `seed`), then its greedy
+/// continuation of `steps` tokens: (the prompt, the tokens fed after it, the reference logits
+/// after each fed token).
+fn ref_continuation(
+    s: &CudaModelSpec,
+    w: &W,
+    prompt: usize,
+    steps: usize,
+    seed: u64,
+) -> (Vec<u32>, Vec<u32>, Vec<Vec<f32>>) {
+    let mut rf = Ref::new(s, w);
+    let mut rng = Rng(seed);
+    let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
+    let mut want = Vec::new();
+    for &t in &toks {
+        want = rf.step(t);
+    }
+    let (mut fed, mut refs) = (Vec::new(), Vec::new());
+    for _ in 0..steps {
+        let next = argmax(&want);
+        fed.push(next);
+        want = rf.step(next);
+        refs.push(want.clone());
+    }
+    (toks, fed, refs)
+}
+
 fn build(a: Arch, dtype: DType, seed: u64) -> (CudaModelSpec, W, CudaDecodeRunner) {
     let s = spec_of(a);
     let w = random_weights(&s, dtype, seed);
@@ -688,22 +715,8 @@ fn attention_every_head_dim() {
         };
         for dtype in [DType::BF16, DType::F16] {
             let (s, w, _) = build(a, dtype, 5);
-            let mut rf = Ref::new(&s, &w);
-            let mut rng = Rng(17);
-            let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
-            let mut want = Vec::new();
-            for &t in &toks {
-                want = rf.step(t);
-            }
             // The reference's greedy continuation, and its logits per step.
-            let mut refs = Vec::new();
-            let mut fed = Vec::new();
-            for _ in 0..steps {
-                let next = argmax(&want);
-                fed.push(next);
-                want = rf.step(next);
-                refs.push(want.clone());
-            }
+            let (toks, fed, refs) = ref_continuation(&s, &w, prompt, steps, 17);
             // A cache of plan::ATTN_TC_MIN_CAPACITY rows takes the tensor-core decode attention
             // (for the head dims it has), a short one the fused row-walking kernel.
             let mut capacities = vec![prompt + steps + 1];
@@ -804,20 +817,7 @@ fn attention_head_dim_kernels_are_bit_identical() {
             for (prompt, cap) in [(20usize, 32usize), (300, 320)] {
                 let steps = 4;
                 let (s, w, _) = build(a, dtype, 9);
-                let mut rf = Ref::new(&s, &w);
-                let mut rng = Rng(23);
-                let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
-                let mut want = Vec::new();
-                for &t in &toks {
-                    want = rf.step(t);
-                }
-                let mut fed = Vec::new();
-                let mut refs = Vec::new();
-                for _ in 0..steps {
-                    fed.push(argmax(&want));
-                    want = rf.step(*fed.last().unwrap());
-                    refs.push(want.clone());
-                }
+                let (toks, fed, refs) = ref_continuation(&s, &w, prompt, steps, 23);
                 for splits in [1usize, 5] {
                     let mut runs = Vec::new();
                     for own in [true, false] {

@@ -441,13 +441,7 @@ impl Kernels {
         // Measurement knobs (A/B runs; documented in the crate README), all read before the
         // kernels load, so that a bad value fails fast (and the carveout sets a function
         // attribute at load). A value that is not UTF-8 is an error, not "unset".
-        let env = |name: &str| match std::env::var(name) {
-            Ok(v) => Ok(Some(v)),
-            Err(std::env::VarError::NotPresent) => Ok(None),
-            Err(std::env::VarError::NotUnicode(_)) => {
-                Err(Error::InvalidArgument(format!("{name}: the value is not valid UTF-8")))
-            }
-        };
+        let env = |name: &str| crate::plan::knob_text(name, std::env::var(name));
         let knob = |name: &str, lo: usize, hi: usize| crate::plan::knob(name, env(name)?.as_deref(), lo, hi);
         // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
         // as shared memory (by default the driver picks per kernel).
@@ -824,16 +818,15 @@ impl Kernels {
         let early = rope.as_ref().is_some_and(|r| r.early);
         // The fused kernels of head dim 128 have their own instance (plan::ATTN_OWN_HEAD_DIMS;
         // the same signature, the head dim passed and ignored).
-        let own = self.attn_head_dim_kernels && crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim);
-        let kernel = match (&rope_args, early, own) {
-            (None, _, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
-            (Some(_), true, false) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
-            (Some(_), false, false) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
-            (Some(_), early, true) => match (head_dim, early) {
-                (128, true) => pick(self.dtype, Kernel::AttnRopeEarlyHd128F16, Kernel::AttnRopeEarlyHd128Bf16),
-                (128, false) => pick(self.dtype, Kernel::AttnRopeHd128F16, Kernel::AttnRopeHd128Bf16),
-                _ => return Err(Error::Internal(format!("attn: no own kernel for head dim {head_dim}"))),
-            },
+        let own =
+            (self.attn_head_dim_kernels && crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim)).then_some(head_dim);
+        let kernel = match (rope_args.is_some(), early, own) {
+            (false, _, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
+            (true, true, None) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
+            (true, false, None) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
+            (true, true, Some(128)) => pick(self.dtype, Kernel::AttnRopeEarlyHd128F16, Kernel::AttnRopeEarlyHd128Bf16),
+            (true, false, Some(128)) => pick(self.dtype, Kernel::AttnRopeHd128F16, Kernel::AttnRopeHd128Bf16),
+            (true, _, Some(hd)) => return Err(Error::Internal(format!("attn: no own kernel for head dim {hd}"))),
         };
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
