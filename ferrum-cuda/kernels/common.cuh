@@ -32,10 +32,56 @@ typedef __nv_bfloat16 bf16;
 // why that is safe (FERRUM_HAS_PDL: only the build with the wait does so).
 #if defined(FERRUM_PDL) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define FERRUM_HAS_PDL 1
+#ifdef FERRUM_TIMELINE
+// The timeline build (`cargo xtask ptx --timeline`, a measurement build, never committed):
+// thread (0, 0, 0) of every block stamps %globaltimer right after its wait, into its grid's
+// slot of this module's table while the host has set ferrum_tl_on to a replay number r + 1
+// (a stream-ordered copy before each recorded graph replay; no kernel writes it, so reading it
+// before the wait is safe). Row r % FERRUM_TL_REPLAYS of the table holds replay r, one slot per
+// grid at %gridid modulo FERRUM_TL_NODES (in a graph replay the low bits of the grid id
+// number its kernel nodes; the host checks that every node stamped a distinct slot). A slot
+// holds the grid id, the earliest and the latest stamp (the latter complemented, so that one
+// all-ones reset serves every field and both take an atomicMin) and a block count (all-ones
+// plus one per stamping block). The atomics' results are unused (fire-and-forget reductions), so a
+// stamp costs the block's first thread a timer read and four reductions.
+#define FERRUM_TL_REPLAYS 64
+#define FERRUM_TL_NODES 4096
+struct FerrumTlSlot {
+    unsigned long long grid, first, last_not;
+    unsigned blocks, pad;
+};
+__device__ FerrumTlSlot ferrum_tl[FERRUM_TL_REPLAYS * FERRUM_TL_NODES];
+__device__ unsigned ferrum_tl_on;
+// Blocks that stamp: the first FERRUM_TL_FIRST_BLOCKS (dispatched first, so the earliest
+// release is among them) and every FERRUM_TL_EVERY-th (for the latest), not every block: the
+// reductions of thousands of blocks on one slot would queue at its L2 slice and slow the
+// kernel being measured.
+#define FERRUM_TL_FIRST_BLOCKS 8
+#define FERRUM_TL_EVERY 32
+__device__ __forceinline__ void ferrum_tl_stamp(unsigned on) {
+    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return;
+    const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if (b >= FERRUM_TL_FIRST_BLOCKS && b % FERRUM_TL_EVERY != 0u) return;
+    unsigned long long t, g;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
+    FerrumTlSlot *s = &ferrum_tl[((on - 1u) % FERRUM_TL_REPLAYS) * FERRUM_TL_NODES + (g % FERRUM_TL_NODES)];
+    s->grid = g;
+    atomicMin(&s->first, t);
+    atomicMin(&s->last_not, ~t);
+    atomicAdd(&s->blocks, 1u);
+}
+#define FERRUM_TL_FLAG() (*(volatile unsigned *)&ferrum_tl_on)
+#else
+#define FERRUM_TL_FLAG() 0u
+#define ferrum_tl_stamp(on) ((void)(on))
+#endif
 #define FERRUM_PDL_ENTRY()                                                                         \
     do {                                                                                           \
+        const unsigned ferrum_tl_on_ = FERRUM_TL_FLAG();                                           \
         asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                            \
+        ferrum_tl_stamp(ferrum_tl_on_);                                                            \
     } while (0)
 #else
 #define FERRUM_HAS_PDL 0

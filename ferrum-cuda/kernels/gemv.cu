@@ -108,17 +108,33 @@ template <int ROWS> struct GemvPrefetch {
 #define GEMV_MAX_GROUPS 8
 #define GEMV_MAX_KS 8
 
-template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false>
+// LPR: lanes per row group (32, or 16 / 8 for short rows: a warp then holds 32 / LPR row
+// groups side by side, lane l in group l / LPR taking chunks l % LPR + LPR k, and the sums go
+// over the group's lanes only). With LPR = 32 the code is the original one. LPR < 32 is for
+// ks == 1 only (the host's choice, plan::gemv_lanes_per_row): the split-K slots hold one sum
+// per warp.
+template <int LPR> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false, int LPR = 32>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
                      float eps, const PeerArgs *pa = nullptr) {
-    constexpr int OUT = GATEUP ? ROWS / 2 : ROWS;
+    static_assert(LPR == 32 || LPR == 16 || LPR == 8, "lanes per row group: 32, 16 or 8");
+    constexpr int OUT = GATEUP ? ROWS / 2 : ROWS, SUBS = 32 / LPR;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int gl = lane % LPR, sub = lane / LPR;  // lane in its row group, the group in the warp
     const int ks = blockDim.y, kw = threadIdx.y;  // split-K: warp kw of the group's ks
     const int wg = blockIdx.x * nw + warp;
-    const int o0 = wg * OUT;
+    const int o0 = (wg * SUBS + sub) * OUT;
     // Touches no memory: leaving before the wait is fine. The ks warps of a group share o0,
-    // so they leave together (the group barrier below never waits for a warp that left).
-    if (o0 >= rows) return;
+    // so they leave together (the group barrier below never waits for a warp that left). With
+    // LPR < 32 a warp leaves when its first group is past the end; its other groups past the
+    // end stay for the shuffles (their rows are clamped below) and store nothing.
+    if (wg * SUBS * OUT >= rows) return;
+    const bool live = o0 < rows;
     size_t row_idx[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -149,7 +165,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     uint4 pre[PF][ROWS];
 #pragma unroll
     for (int u = 0; u < PF; ++u) {
-        const int c = lane + 32 * (kw + ks * u);
+        const int c = gl + LPR * (kw + ks * u);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) pre[u][r] = vec && c < n8 ? ldg_early(w4[r] + c) : make_uint4(0, 0, 0, 0);
     }
@@ -164,24 +180,24 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     float y_old[OUT];
 #pragma unroll
     for (int j = 0; j < OUT; ++j)
-        y_old[j] = RES && lane == 0 && kw == 0 && o0 + j < rows ? ld_early_cg(y + o0 + j) : 0.0f;
+        y_old[j] = RES && gl == 0 && kw == 0 && o0 + j < rows ? ld_early_cg(y + o0 + j) : 0.0f;
     FERRUM_PDL_ENTRY();  // x comes from the previous kernel
     if (vec) {
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
 #pragma unroll
         for (int u = 0; u < PF; ++u) {
-            const int c = lane + 32 * (kw + ks * u);
+            const int c = gl + LPR * (kw + ks * u);
             if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
         }
 #pragma unroll (GemvPrefetch<ROWS>::UNROLL)
-        for (int c = lane + 32 * (kw + ks * PF); c < n8; c += 32 * ks) {
+        for (int c = gl + LPR * (kw + ks * PF); c < n8; c += LPR * ks) {
             uint4 wv[ROWS];
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r] = __ldg(w4[r] + c);
             gemv_chunk<T, ROWS, NORM>(acc, ss, wv, x4, norm_w, c);
         }
     } else {
-        for (int c = lane + 32 * kw; c < cols; c += 32 * ks) {
+        for (int c = gl + LPR * kw; c < cols; c += LPR * ks) {
             float xv = x[c];
             if (NORM) {
                 ss = fmaf(xv, xv, ss);
@@ -192,9 +208,9 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
         }
     }
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) acc[r] = warp_sum(acc[r]);
-    if (NORM) ss = warp_sum(ss);
-    if (ks > 1) {
+    for (int r = 0; r < ROWS; ++r) acc[r] = group_sum<LPR>(acc[r]);
+    if (NORM) ss = group_sum<LPR>(ss);
+    if (LPR == 32 && ks > 1) {
         // The group's ks warp sums, added in k order by warp 0 of the group. Named barrier
         // 1 + warp (0 is __syncthreads') over the group's ks * 32 threads only: every group of
         // the block has its own slots and its own barrier, and groups that left early (o0 >=
@@ -224,7 +240,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) acc[r] *= rn;
     }
-    if (lane == 0) {
+    if (gl == 0 && live) {
 #pragma unroll
         for (int j = 0; j < OUT; ++j) {
             if (o0 + j < rows) {
@@ -334,6 +350,24 @@ FERRUM_GEMV_PUSH(bf16, bf16)
 
 FERRUM_GEMV(f16, f16)
 FERRUM_GEMV(bf16, bf16)
+
+// Short rows (plan::gemv_lanes_per_row): two rows per row group, LPR lanes per group.
+#define FERRUM_GEMV_LANES(S, T, L)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_l##L##_##S(float *y, const T *W, const float *x, int rows, int cols,           \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, false, false, false, false, L>(y, W, x, rows, cols, norm_w, eps);               \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_norm_l##L##_##S(float *y, const T *W, const float *x, int rows, int cols,      \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, false, true, false, false, L>(y, W, x, rows, cols, norm_w, eps);                \
+    }
+
+FERRUM_GEMV_LANES(f16, f16, 8)
+FERRUM_GEMV_LANES(bf16, bf16, 8)
+FERRUM_GEMV_LANES(f16, f16, 16)
+FERRUM_GEMV_LANES(bf16, bf16, 16)
 
 // out[t][i] = silu(gu[t][i]) * gu[t][inter + i], all fp32 (prefill and the cuBLAS path).
 extern "C" __global__ void ferrum_silu_mul(float *out, const float *gu, int inter, int n_tok) {

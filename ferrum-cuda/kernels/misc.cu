@@ -48,6 +48,9 @@ __device__ __forceinline__ uint64_t splitmix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+// Logits a thread loads at once in pass 1 (the host's chunk is ARGMAX_PER * 256: one round).
+#define ARGMAX_PER 4
+
 // Pass 1: block b reduces logits[b*chunk, min((b+1)*chunk, n)).
 //
 // With inv_temp > 0 it samples instead of taking the maximum (the Gumbel-max
@@ -70,19 +73,32 @@ extern "C" __global__ void ferrum_argmax_partial(const float *logits, int n, int
     const uint64_t key = splitmix64(seed ^ splitmix64(pos));
     float v = FERRUM_NEG_INF;
     uint32_t i = 0xffffffffu;
-    for (int k = start + threadIdx.x; k < end; k += blockDim.x) {
-        float x = logits[k];
-        const uint32_t g = base + (uint32_t)k;  // the vocabulary index (the host checks it fits)
-        if (inv_temp > 0.0f) {
-            const uint64_t h = splitmix64(key ^ (uint64_t)g);
-            // 23 bits: (k + 0.5) / 2^23 is exact in f32 for k < 2^23, so u lies in
-            // [2^-24, 1 - 2^-24] and never rounds to 1 (which would make -log(-log u) +inf).
-            const float u = ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
-            x = x * inv_temp - logf(-logf(u));
-        }
-        if (!isnan(x) && better(x, g, v, i)) {
-            v = x;
-            i = g;
+    // ARGMAX_PER logits a thread per round, all loaded before the first comparison: one L2
+    // round trip per round instead of one per logit (the compare-and-keep chain would otherwise
+    // wait for each load in turn). The order of the comparisons does not change the result:
+    // `better` is a strict total order on (value, index), NaN is skipped.
+    const int B = blockDim.x;
+    for (int k0 = start + threadIdx.x; k0 < end; k0 += ARGMAX_PER * B) {
+        float xs[ARGMAX_PER];
+#pragma unroll
+        for (int u = 0; u < ARGMAX_PER; ++u) xs[u] = k0 + u * B < end ? logits[k0 + u * B] : 0.0f;
+#pragma unroll
+        for (int u = 0; u < ARGMAX_PER; ++u) {
+            const int k = k0 + u * B;
+            if (k >= end) continue;
+            float x = xs[u];
+            const uint32_t g = base + (uint32_t)k;  // the vocabulary index (the host checks it fits)
+            if (inv_temp > 0.0f) {
+                const uint64_t h = splitmix64(key ^ (uint64_t)g);
+                // 23 bits: (k + 0.5) / 2^23 is exact in f32 for k < 2^23, so u lies in
+                // [2^-24, 1 - 2^-24] and never rounds to 1 (which would make -log(-log u) +inf).
+                const float uu = ((float)(h >> 41) + 0.5f) * (1.0f / 8388608.0f);
+                x = x * inv_temp - logf(-logf(uu));
+            }
+            if (!isnan(x) && better(x, g, v, i)) {
+                v = x;
+                i = g;
+            }
         }
     }
     block_argmax(v, i);

@@ -104,6 +104,16 @@ kernels! {
     GemvNormBf16 => "ferrum_gemv_norm_bf16" in "gemv",
     Gemv4NormF16 => "ferrum_gemv4_norm_f16" in "gemv",
     Gemv4NormBf16 => "ferrum_gemv4_norm_bf16" in "gemv",
+    /// Short rows (`plan::gemv_lanes_per_row`): 8 or 16 lanes per two-row group, 4 or 2 groups
+    /// per warp; plain and with the norm fused.
+    GemvL8F16 => "ferrum_gemv_l8_f16" in "gemv",
+    GemvL8Bf16 => "ferrum_gemv_l8_bf16" in "gemv",
+    GemvNormL8F16 => "ferrum_gemv_norm_l8_f16" in "gemv",
+    GemvNormL8Bf16 => "ferrum_gemv_norm_l8_bf16" in "gemv",
+    GemvL16F16 => "ferrum_gemv_l16_f16" in "gemv",
+    GemvL16Bf16 => "ferrum_gemv_l16_bf16" in "gemv",
+    GemvNormL16F16 => "ferrum_gemv_norm_l16_f16" in "gemv",
+    GemvNormL16Bf16 => "ferrum_gemv_norm_l16_bf16" in "gemv",
     /// Gate|up projection of RMSNorm(x) * norm_w with SiLU·mul (both fused).
     GemvGateUpNormF16 => "ferrum_gemv_gateup_norm_f16" in "gemv",
     GemvGateUpNormBf16 => "ferrum_gemv_gateup_norm_bf16" in "gemv",

@@ -14,6 +14,7 @@ mod kernel_list;
 mod peer_abi;
 pub mod plan;
 mod spec;
+pub mod timeline;
 
 /// The embedded PTX modules (built by `cargo xtask ptx`; do not edit the `.ptx` files).
 pub mod ptx {

@@ -3,9 +3,19 @@
 //! are unit-tested without the `cuda` feature; `cuda::launch` and `cuda::CudaDecodeRunner` call
 //! them.
 
-/// Largest GEMV split-K factor: the 128-thread GEMV blocks have 4 warps, and gemv.cu's shared
-/// slots hold `GEMV_MAX_KS` (8) warps per row group.
-pub const GEMV_MAX_KS: u32 = 4;
+/// Largest GEMV split-K factor: gemv.cu's shared slots hold `GEMV_MAX_KS` (8) warps per row
+/// group (a split of 8 makes every block one row group of 8 warps). Splits past 4 also need
+/// [`GEMV_KS8_MIN_STRIPES`] stripes a warp. The `FERRUM_GEMV_SPLIT_K` knob lowers the cap.
+pub const GEMV_MAX_KS: u32 = 8;
+/// Column stripes (of 32 chunks) each warp keeps at a split past 4: a split of 8 only for rows
+/// of 8192 columns or more. Measured on one H200 (session 21, the kernel timeline of
+/// Llama-3.2-1B with splits up to 8 for every shape): its down projection (2048 x 8192) took
+/// 8.3 µs split 8 ways against 10.6 split 4 ways, while its o projection (2048 x 2048, one
+/// stripe a warp at 8) took 2.6 against 2.4; with this rule (the down projection alone split 8
+/// ways) Llama-3.2-1B ran 1330 / 1332 / 1331 tok/s against 1309 / 1310 / 1310 with the cap at 4
+/// (`FERRUM_GEMV_SPLIT_K=4`), alternating in one call. No other shape of the benchmark models
+/// splits past 4 (their warps fill the GPU first).
+pub const GEMV_KS8_MIN_STRIPES: usize = 4;
 
 /// Warps per multiprocessor that a GEMV should have streaming its weights. Each warp (two rows)
 /// keeps about 4 KiB of loads in flight; an H200 needs about 48 KiB in flight per
@@ -35,6 +45,10 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
     let cap = max_ks.clamp(1, GEMV_MAX_KS);
     let mut ks = 1u32;
     while ks * 2 <= cap && ks as usize * 2 <= stripes && warps * (ks as usize) < warps_per_sm * sms {
+        // Past a split of 4, only while each warp keeps GEMV_KS8_MIN_STRIPES stripes.
+        if ks * 2 > 4 && stripes < GEMV_KS8_MIN_STRIPES * ks as usize * 2 {
+            break;
+        }
         ks *= 2;
     }
     ks
@@ -81,11 +95,12 @@ pub fn knob(name: &str, value: Option<&str>, lo: usize, hi: usize) -> crate::Res
     }
 }
 
-/// The split-K cap from `FERRUM_GEMV_SPLIT_K` (`None` when unset: [`GEMV_MAX_KS`]): 1, 2 or 4.
+/// The split-K cap from `FERRUM_GEMV_SPLIT_K` (`None` when unset: [`GEMV_MAX_KS`]): 1, 2, 4
+/// or 8.
 pub fn gemv_split_k_cap(value: Option<&str>) -> crate::Result<u32> {
     match knob("FERRUM_GEMV_SPLIT_K", value, 1, GEMV_MAX_KS as usize)? {
         Some(n) if n.is_power_of_two() => Ok(n as u32),
-        Some(n) => Err(crate::Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2 or 4"))),
+        Some(n) => Err(crate::Error::InvalidArgument(format!("FERRUM_GEMV_SPLIT_K={n}: expected 1, 2, 4 or 8"))),
         None => Ok(GEMV_MAX_KS),
     }
 }
@@ -109,6 +124,48 @@ pub const GEMV_VARIANT_COUNT: usize = 4;
 /// of the one variant every GEMV shape launches, `0..GEMV_VARIANT_COUNT`.
 pub fn gemv_variant(value: Option<&str>) -> crate::Result<Option<usize>> {
     knob("FERRUM_GEMV_VARIANT", value, 0, GEMV_VARIANT_COUNT - 1)
+}
+
+/// Lanes per row group of a batch-1 GEMV (plain or `_norm`) with `rows` rows, `cols` columns
+/// and split-K factor `ks` (gemv.cu's `LPR`): 32 (a warp per two rows), or for a tall matrix
+/// of short rows without split-K (`rows >= GEMV_LANE_MIN_ROWS`, `ks == 1`, `cols % 8 == 0`:
+/// the LM heads of small models) as many lanes as keep every lane at [`GEMV_LANE_CHUNKS`]
+/// 16-byte chunks of a row or more, 8 at least, so that a warp streams several short rows at
+/// once instead of leaving most lanes with two or three chunks and the grid with many waves of
+/// tiny warps. `lanes` overrides the choice for such shapes (the `FERRUM_GEMV_LANES`
+/// measurement knob: 8, 16 or 32). A function of the shape and the knob only, never of timing:
+/// the lane count changes the summation order, so it must be the same on every run of one
+/// setting. Shapes below `GEMV_LANE_MIN_ROWS` rows (every projection inside a layer, and so
+/// every `_push` GEMV, whose kernels have 32 lanes) always take 32.
+pub fn gemv_lanes_per_row(rows: usize, cols: usize, ks: u32, lanes: Option<u32>) -> u32 {
+    if rows < GEMV_LANE_MIN_ROWS || ks != 1 || cols % 8 != 0 {
+        return 32;
+    }
+    if let Some(l) = lanes {
+        return l;
+    }
+    match cols / 8 {
+        c if c >= GEMV_LANE_CHUNKS * 32 => 32,
+        c if c >= GEMV_LANE_CHUNKS * 16 => 16,
+        _ => 8,
+    }
+}
+
+/// Fewest 16-byte chunks of a row per lane that [`gemv_lanes_per_row`] aims at.
+pub const GEMV_LANE_CHUNKS: usize = 8;
+/// Fewest rows for which [`gemv_lanes_per_row`] gives fewer than 32 lanes: about two waves of
+/// two-row warps on an H200 (132 multiprocessors of 32 warps), and more rows than any
+/// projection inside a layer of the supported models has (their LM heads have 32000 or more).
+pub const GEMV_LANE_MIN_ROWS: usize = 16384;
+
+/// `FERRUM_GEMV_LANES` (`None` when unset: [`gemv_lanes_per_row`] chooses): 8, 16 or 32 lanes
+/// per row group for the short-row GEMVs.
+pub fn gemv_lanes(value: Option<&str>) -> crate::Result<Option<u32>> {
+    match knob("FERRUM_GEMV_LANES", value, 8, 32)? {
+        None => Ok(None),
+        Some(n @ (8 | 16 | 32)) => Ok(Some(n as u32)),
+        Some(n) => Err(crate::Error::InvalidArgument(format!("FERRUM_GEMV_LANES={n}: expected 8, 16 or 32"))),
+    }
 }
 
 /// Most warps per block of the decode attention (attention.cu's `ATTN_MAX_WARPS`).
@@ -336,7 +393,8 @@ mod tests {
         assert_eq!(gemv_split_k_cap(None).unwrap(), GEMV_MAX_KS);
         assert_eq!(gemv_split_k_cap(Some("1")).unwrap(), 1);
         assert_eq!(gemv_split_k_cap(Some("2")).unwrap(), 2);
-        for bad in ["3", "0", "8", "x"] {
+        assert_eq!(gemv_split_k_cap(Some("8")).unwrap(), 8);
+        for bad in ["3", "0", "16", "x"] {
             let e = gemv_split_k_cap(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_GEMV_SPLIT_K"), "{bad:?}: {e}");
         }
@@ -382,6 +440,22 @@ mod tests {
     #[test]
     fn warps_per_sm_and_carveout_knobs() {
         assert_eq!(gemv_warps_per_sm(None).unwrap(), GEMV_WARPS_PER_SM);
+        // Lanes per row group: short rows without split-K only.
+        assert_eq!(gemv_lanes_per_row(49152, 576, 1, None), 8); // SmolLM2-135M's LM head: 72 chunks
+        assert_eq!(gemv_lanes_per_row(32000, 1536, 1, None), 16);
+        assert_eq!(gemv_lanes_per_row(128256, 2048, 1, None), 32);
+        assert_eq!(gemv_lanes_per_row(49152, 576, 2, None), 32);
+        assert_eq!(gemv_lanes_per_row(49152, 580, 1, None), 32);
+        assert_eq!(gemv_lanes_per_row(1536, 576, 1, None), 32); // a projection inside a layer
+        assert_eq!(gemv_lanes_per_row(49152, 576, 1, Some(16)), 16);
+        assert_eq!(gemv_lanes_per_row(49152, 576, 4, Some(16)), 32);
+        assert_eq!(gemv_lanes_per_row(1536, 576, 1, Some(8)), 32);
+        assert_eq!(gemv_lanes(None).unwrap(), None);
+        assert_eq!(gemv_lanes(Some("16")).unwrap(), Some(16));
+        for bad in ["12", "64", "x", "4"] {
+            let e = gemv_lanes(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_LANES"), "{bad:?}: {e}");
+        }
         assert_eq!(gemv_warps_per_sm(Some("16")).unwrap(), 16);
         for bad in ["0", "65", "x", ""] {
             let e = gemv_warps_per_sm(Some(bad)).unwrap_err().to_string();
@@ -467,7 +541,11 @@ mod tests {
         assert_eq!(gemv_split_k(576, 1536, H200_SMS, 0), 1);
         // Fewer than 256 columns: one stripe, no split.
         assert_eq!(gemv_split_k(64, 128, H200_SMS, 4), 1);
-        // Always a power of two in 1..=GEMV_MAX_KS.
+        // A cap of 8 (the knob's largest): Llama-3.2-1B's down projection splits 8 ways, its
+        // o projection (8 stripes: one a warp at 8) stays at 4.
+        assert_eq!(gemv_split_k(2048, 8192, H200_SMS, 8), 8);
+        assert_eq!(gemv_split_k(2048, 2048, H200_SMS, 8), 4);
+        // Always a power of two in 1..=GEMV_MAX_KS, whatever the cap.
         for rows in [1, 7, 100, 1000, 5000, 100_000] {
             for cols in [8, 256, 1000, 4096, 20_000] {
                 let ks = gemv_split_k(rows, cols, H200_SMS, u32::MAX);

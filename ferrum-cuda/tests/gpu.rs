@@ -875,12 +875,14 @@ fn attention_head_dim_kernels_are_bit_identical() {
 
 /// Split-K GEMVs (several warps per row group, each over its own column stripes, summed in a
 /// fixed order): a model wide enough that every projection splits (hidden 512: two stripes of
-/// 256 columns; intermediate 2048: the cap of 4), in both dtypes and through every GEMV
-/// variant (plain, norm, residual, gate|up with norm), against the CPU reference.
+/// 256 columns; intermediate 2048: the cap of 4), and one whose down projection splits 8 ways
+/// (intermediate 8192: 32 stripes, `plan::GEMV_KS8_MIN_STRIPES` a warp at 8), in both dtypes
+/// and through every GEMV variant (plain, norm, residual, gate|up with norm), against the CPU
+/// reference.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn split_k_gemv_matches_reference() {
-    let a = Arch {
+    let wide = Arch {
         name: "wide",
         bias: true,
         qk_norm: false,
@@ -893,18 +895,63 @@ fn split_k_gemv_matches_reference() {
         layers: 2,
         vocab: 1000,
     };
-    let (_, _, r) = build(a, DType::BF16, 3);
-    let choices = r.gemv_choices();
-    println!("SPLITK choices {choices:?}");
-    assert!(
-        choices.iter().any(|c| c.3.ends_with("/k2")) && choices.iter().any(|c| c.3.ends_with("/k4")),
-        "expected split-K factors 2 and 4 among {choices:?}"
-    );
+    let deep = Arch { name: "wide-mlp", bias: false, inter: 8192, layers: 1, ..wide };
     let mut failures = Vec::new();
-    for dtype in [DType::BF16, DType::F16] {
-        match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
-            Ok(e) => println!("SPLITK {}: max rel err {e:.2e} (tol {:.0e})", dtype.name(), tol(dtype)),
-            Err(m) => failures.push(m),
+    for (a, want) in [(wide, ["/k2", "/k4"]), (deep, ["/k2", "/k8"])] {
+        let (_, _, r) = build(a, DType::BF16, 3);
+        let choices = r.gemv_choices();
+        println!("SPLITK {}: choices {choices:?}", a.name);
+        for w in want {
+            assert!(choices.iter().any(|c| c.3.ends_with(w)), "{}: expected a split {w} among {choices:?}", a.name);
+        }
+        for dtype in [DType::BF16, DType::F16] {
+            match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
+                Ok(e) => println!("SPLITK {} {}: max rel err {e:.2e} (tol {:.0e})", a.name, dtype.name(), tol(dtype)),
+                Err(m) => failures.push(m),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// The short-row GEMV (8 or 16 lanes per two-row group: `plan::gemv_lanes_per_row`) that the
+/// LM head of a tall vocabulary over a narrow hidden size takes: two models whose LM heads pick
+/// 8 lanes (hidden 256: 32 chunks a row) and 16 lanes (hidden 1024: 128 chunks), a vocabulary
+/// that is no multiple of a warp's rows (the clamps), tied and untied heads, both dtypes,
+/// against the CPU reference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn short_row_lm_head_matches_reference() {
+    let mut failures = Vec::new();
+    for (hidden, lanes, tied, layers) in [(256, "/l8", true, 2), (1024, "/l16", false, 1)] {
+        let a = Arch {
+            name: "tall-head",
+            bias: false,
+            qk_norm: false,
+            tied,
+            head_dim: 64,
+            heads: hidden / 64,
+            kv_heads: hidden / 128,
+            hidden,
+            inter: 2 * hidden,
+            layers,
+            vocab: 20011,
+        };
+        let (_, _, r) = build(a, DType::BF16, 5);
+        let choices = r.gemv_choices();
+        println!("LANES hidden {hidden}: choices {choices:?}");
+        let head = choices.iter().find(|c| c.0 == a.vocab && c.1 == hidden && !c.2);
+        assert!(
+            head.is_some_and(|c| c.3.ends_with(lanes)),
+            "hidden {hidden}: expected the LM head to take {lanes} lanes: {choices:?}"
+        );
+        for dtype in [DType::BF16, DType::F16] {
+            match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
+                Ok(e) => {
+                    println!("LANES hidden {hidden} {}: max rel err {e:.2e} (tol {:.0e})", dtype.name(), tol(dtype))
+                }
+                Err(m) => failures.push(m),
+            }
         }
     }
     assert!(failures.is_empty(), "{failures:#?}");

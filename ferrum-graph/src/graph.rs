@@ -197,7 +197,35 @@ fn is_capture_error(e: &(dyn std::error::Error + 'static)) -> bool {
 struct Summary {
     nodes: usize,
     kernels: usize,
+    /// The kernel nodes' function names, in node order (see `kernel_name`).
+    kernel_names: Vec<String>,
     violations: Vec<String>,
+}
+
+/// The function name of a kernel node (`"?"` when the driver does not say: a node made from a
+/// `CUkernel` without a function handle, or a driver without `cuFuncGetName`).
+fn kernel_name(node: cu::CUgraphNode) -> String {
+    let mut p = std::mem::MaybeUninit::<cu::CUDA_KERNEL_NODE_PARAMS>::zeroed();
+    // SAFETY: `node` is a kernel node of a live graph; `p` is writable, zeroed storage of the
+    // parameter struct, which the driver fills.
+    if unsafe { cu::cuGraphKernelNodeGetParams_v2(node, p.as_mut_ptr()) } != cu::CUresult::CUDA_SUCCESS {
+        return "?".into();
+    }
+    // SAFETY: the struct was zeroed and then written by the driver: every field is initialised
+    // (the handles are plain pointers, null where unset).
+    let func = unsafe { p.assume_init() }.func;
+    if func.is_null() {
+        return "?".into();
+    }
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: `func` is the node's live function handle (its module outlives the graph's use);
+    // `name` is writable storage for the returned pointer.
+    if unsafe { cu::cuFuncGetName(&mut name, func) } != cu::CUresult::CUDA_SUCCESS || name.is_null() {
+        return "?".into();
+    }
+    // SAFETY: the driver returned a NUL-terminated string it owns (valid while the module is
+    // loaded); it is copied at once.
+    unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
 }
 
 /// Whether a memcpy endpoint is host memory.
@@ -248,6 +276,7 @@ fn inspect(graph: cu::CUgraph) -> Result<Summary> {
         check("cuGraphNodeGetType", unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) })?;
         if ty == CU_GRAPH_NODE_TYPE_KERNEL as u32 {
             s.kernels += 1;
+            s.kernel_names.push(kernel_name(node));
         } else if ty == CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
             let mut p = std::mem::MaybeUninit::<cu::CUDA_MEMCPY3D>::zeroed();
             // SAFETY: `node` is a memcpy node of the live graph; `p` is writable storage of the
@@ -301,6 +330,7 @@ pub struct CapturedGraph {
     ctx: Arc<CudaContext>,
     nodes: usize,
     kernels: usize,
+    kernel_names: Vec<String>,
     keep: Vec<Box<dyn Any + Send>>,
 }
 
@@ -435,6 +465,7 @@ impl CapturedGraph {
             ctx: ctx.clone(),
             nodes: summary.nodes,
             kernels: summary.kernels,
+            kernel_names: summary.kernel_names,
             keep: Vec::new(),
         })
     }
@@ -480,6 +511,12 @@ impl CapturedGraph {
     /// Number of kernel nodes in the graph.
     pub fn kernel_count(&self) -> usize {
         self.kernels
+    }
+
+    /// The kernel nodes' function names, in the graph's node order (for a stream capture, the
+    /// order of the launches); `"?"` where the driver does not name one.
+    pub fn kernel_names(&self) -> &[String] {
+        &self.kernel_names
     }
 
     /// Ordinal of the device the graph runs on.

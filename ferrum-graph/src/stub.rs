@@ -31,6 +31,10 @@ impl CapturedGraph {
     pub fn kernel_count(&self) -> usize {
         match self.never {}
     }
+    /// The kernel nodes' function names, in node order.
+    pub fn kernel_names(&self) -> &[String] {
+        match self.never {}
+    }
     /// Ordinal of the device the graph runs on.
     pub fn device_ordinal(&self) -> usize {
         match self.never {}

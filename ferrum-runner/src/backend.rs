@@ -53,6 +53,19 @@ pub trait DecodeBackend {
         Ok(None)
     }
 
+    /// Records the kernel timeline of the first `steps` graph replays of the next
+    /// [`decode_on_device`](Self::decode_on_device) on every rank (ferrum-cuda's `timeline`:
+    /// the timeline build of the kernels only). `false` where nothing can be recorded (the CPU,
+    /// the eager loop, kernels without the stamps).
+    fn arm_timeline(&mut self, _steps: usize) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// The timelines recorded since [`arm_timeline`](Self::arm_timeline), one per rank.
+    fn take_timelines(&mut self) -> Result<Vec<ferrum_cuda::timeline::StepTimeline>> {
+        Ok(Vec::new())
+    }
+
     /// Whether [`decode_on_device`](Self::decode_on_device) works here (CUDA backends).
     fn has_device_decode(&self) -> bool {
         false

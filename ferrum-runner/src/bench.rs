@@ -53,6 +53,12 @@ pub struct BenchArgs {
     /// the kernels, so the total exceeds a normal step).
     #[arg(long)]
     kernel_profile: bool,
+    /// After the timed runs, record the kernel timeline of this many graph replays (one more
+    /// generation) and print what each kernel of the step cost inside the graph: the time from
+    /// its earliest wait release to the next kernel's. Needs the timeline build of the kernels
+    /// (`cargo xtask ptx --timeline`, a measurement build) and the device loop with graphs.
+    #[arg(long, value_name = "STEPS", value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    timeline: Option<u64>,
     /// Wrap the last run's decode in `cuProfilerStart` / `cuProfilerStop` on every GPU of the
     /// group, so that `ncu --profile-from-start off` profiles only its kernels (the steps as
     /// replayed from the captured graphs). Changes nothing without a profiler attached.
@@ -123,6 +129,57 @@ struct Report {
     /// `cublas_gemm`).
     #[serde(skip_serializing_if = "Option::is_none")]
     prefill_kernel_profile: Option<Vec<KernelRow>>,
+    /// `--timeline`: per rank, what each kernel cost inside the replayed graph.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeline: Option<Vec<TimelineReport>>,
+}
+
+/// One rank's `--timeline` figures.
+#[derive(Debug, Serialize)]
+struct TimelineReport {
+    replays: usize,
+    /// Mean time from a replay's first kernel release to its last one's, µs.
+    span_us: Option<f64>,
+    /// Replays whose stamps could not be mapped onto the graph's kernels (left out).
+    unmapped: usize,
+    /// Kernel releases that run backwards in a mapped replay (nonzero: do not trust the figures).
+    out_of_order: usize,
+    /// Grid ids of the first mapped replay's first kernels.
+    first_grids: Vec<u64>,
+    /// The repeating layer over the middle layers: (kernel, mean µs), from the attention on.
+    layer: Option<Vec<(String, f64)>>,
+    /// Every kernel node of the step in graph order: name, mean µs, spread of its blocks'
+    /// wait releases in µs, blocks.
+    kernels: Vec<TimelineKernel>,
+}
+
+#[derive(Debug, Serialize)]
+struct TimelineKernel {
+    name: String,
+    mean_us: Option<f64>,
+    spread_us: f64,
+    blocks: u32,
+}
+
+fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
+    TimelineReport {
+        replays: t.replays,
+        span_us: t.span_ns().map(|n| n / 1e3),
+        unmapped: t.unmapped,
+        out_of_order: t.out_of_order,
+        first_grids: t.first_grids.clone(),
+        layer: ferrum_cuda::timeline::layer_profile(t).map(|l| l.into_iter().map(|(n, v)| (n, v / 1e3)).collect()),
+        kernels: t
+            .kernels
+            .iter()
+            .map(|k| TimelineKernel {
+                name: k.name.clone(),
+                mean_us: k.mean_ns().map(|n| n / 1e3),
+                spread_us: k.spread_ns() / 1e3,
+                blocks: k.blocks,
+            })
+            .collect(),
+    }
 }
 
 /// `--profiler-range`: starts or stops the profiler's collection on every GPU of this process:
@@ -254,6 +311,21 @@ pub fn run(a: BenchArgs) -> Result<()> {
     } else {
         None
     };
+    let timeline = match a.timeline {
+        None => None,
+        Some(steps) => {
+            let steps = (steps as usize).min(a.gen_tokens);
+            let logits = backend.prefill(&prompt, capacity)?;
+            if !device || !backend.arm_timeline(steps)? {
+                bail!(
+                    "--timeline needs the timeline build of the kernels (`cargo xtask ptx --timeline`, then \
+                     rebuild) and the device loop with graphs"
+                );
+            }
+            backend.decode_on_device(argmax(&logits), a.gen_tokens, DeviceSampling::Greedy, &mut |_| Ok(true))?;
+            Some(backend.take_timelines()?.iter().map(timeline_report).collect::<Vec<_>>())
+        }
+    };
     prefill_ms.sort_by(f64::total_cmp);
     step_ms.sort_by(f64::total_cmp);
     let med = percentile(&step_ms, 0.5);
@@ -289,6 +361,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         capture_ms,
         kernel_profile,
         prefill_kernel_profile,
+        timeline,
     };
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r)?);
@@ -307,6 +380,26 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
         if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
             println!("copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it", f * 100.0);
+        }
+        for (rank, t) in r.timeline.iter().flatten().enumerate() {
+            let span = t.span_us.map_or("?".into(), |s| format!("{s:.2}"));
+            println!(
+                "timeline              rank {rank}: {} replays ({} unmapped), {span} µs from the first kernel's \
+                 release to the last's, {} out of order; first grid ids {:?}",
+                t.replays, t.unmapped, t.out_of_order, t.first_grids
+            );
+            if let Some(layer) = &t.layer {
+                let total: f64 = layer.iter().map(|(_, v)| v).sum();
+                println!("  one middle layer, {total:.2} µs (mean over the middle layers):");
+                for (name, v) in layer {
+                    println!("    {name:<40} {v:>7.2} µs");
+                }
+            }
+            println!("  every kernel of the step (mean µs to the next kernel's release, spread, blocks):");
+            for k in &t.kernels {
+                let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
+                println!("    {:<40} {m:>7} {:>7.2} {:>6}", k.name, k.spread_us, k.blocks);
+            }
         }
         for (what, rows) in [("one decode step", &r.kernel_profile), ("one prefill", &r.prefill_kernel_profile)] {
             let Some(rows) = rows else { continue };

@@ -294,6 +294,14 @@ impl DecodeBackend for CudaBackend {
         Ok(Some(p))
     }
 
+    fn arm_timeline(&mut self, steps: usize) -> Result<bool> {
+        Ok(self.rank.graphed() && self.rank.arm_timeline(steps))
+    }
+
+    fn take_timelines(&mut self) -> Result<Vec<ferrum_cuda::timeline::StepTimeline>> {
+        Ok(self.rank.take_timeline().into_iter().collect())
+    }
+
     fn has_device_decode(&self) -> bool {
         true
     }

@@ -26,6 +26,7 @@ use ferrum_graph::cudarc::driver::sys::CUevent_flags;
 use ferrum_graph::cudarc::driver::CudaEvent;
 
 use ferrum_cuda::peer::PeerHandle;
+use ferrum_cuda::timeline::StepTimeline;
 use ferrum_cuda::{CudaDecodeRunner, DeviceSampling, DeviceStepKey};
 use ferrum_graph::DecodeGraphCache;
 use ferrum_nccl::NcclRank;
@@ -96,6 +97,11 @@ pub struct CudaRank {
     /// The peer all-reduce group of an in-process TP group, when its decode steps use one:
     /// checked after the GPU work was waited for (a kernel that gave up leaves garbage).
     peer: Option<PeerHandle>,
+    /// Graph replays still to record in the kernel timeline (the timeline build of the
+    /// kernels; see [`arm_timeline`](Self::arm_timeline)).
+    timeline_steps: usize,
+    /// The timeline recorded since the last [`arm_timeline`](Self::arm_timeline).
+    timeline: Option<StepTimeline>,
 }
 
 impl std::fmt::Debug for CudaRank {
@@ -128,6 +134,8 @@ impl CudaRank {
             comm: None,
             replay_done: None,
             peer: None,
+            timeline_steps: 0,
+            timeline: None,
         }
     }
 
@@ -265,13 +273,29 @@ impl CudaRank {
             // A replay does not go through the runner's checks: make sure `seq` still owns the
             // step buffer.
             self.runner.check_fed(seq).map_err(cuda)?;
+            // Timeline build, when armed: the first `record` replays stamp, each as its own
+            // replay row (stream-ordered flag copies between the replays).
+            let record = self.timeline_steps.min(n).min(ferrum_cuda::timeline::REPLAYS);
+            self.timeline_steps -= record;
+            let names = (record > 0).then(|| graph.kernel_names().to_vec());
+            let runner = &self.runner;
+            let mark = |i: usize| -> Result<()> {
+                if i < record {
+                    runner.timeline_arm(Some(i as u32)).map_err(cuda)?;
+                } else if i == record && record > 0 {
+                    runner.timeline_arm(None).map_err(cuda)?;
+                }
+                Ok(())
+            };
             match self.comm.clone() {
                 None => {
-                    for _ in 0..n {
+                    for i in 0..n {
+                        mark(i)?;
                         let t = Instant::now();
                         graph.replay(&stream).map_err(graph_error)?;
                         self.stats.enqueue_time += t.elapsed();
                     }
+                    mark(n)?;
                 }
                 Some(c) => {
                     // The graph holds NCCL kernels: launch it only while its communicator is
@@ -293,7 +317,8 @@ impl CudaRank {
                     };
                     let ev = &*self.replay_done.insert(ev);
                     let rank = self.rank;
-                    for _ in 0..n {
+                    for i in 0..n {
+                        mark(i)?;
                         let t = Instant::now();
                         c.while_live(|| graph.replay(&stream))
                             .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
@@ -302,11 +327,22 @@ impl CudaRank {
                         ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
                         ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
                     }
+                    mark(n)?;
                     // A replay also "finishes" when an abort made its NCCL kernels exit; its
                     // tokens are then garbage. The abort marks the communicator before it starts
                     // (under the lock `while_live` takes), so this refuses them.
                     c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
                 }
+            }
+            if let Some(names) = names {
+                // Mapped per call (grid ids are consecutive within a run of replays only),
+                // then merged with the earlier calls' recordings.
+                let stamps = self.runner.timeline_read().map_err(cuda)?;
+                let t = ferrum_cuda::timeline::step_timeline(&stamps, &names);
+                self.timeline
+                    .get_or_insert_with(Default::default)
+                    .merge(&t)
+                    .map_err(|e| Error::Unavailable("kernel timeline", e))?;
             }
         } else {
             for _ in 0..n {
@@ -318,6 +354,21 @@ impl CudaRank {
         let tokens = self.runner.token_readback().map_err(cuda)?.to_vec();
         self.check_peer()?;
         Ok(tokens)
+    }
+
+    /// Records the kernel timeline of the next `steps` graph replays of
+    /// [`device_steps`](Self::device_steps) calls (see ferrum-cuda's `timeline`). `false` when the
+    /// kernels are not the timeline build (`cargo xtask ptx --timeline`), which records nothing.
+    pub fn arm_timeline(&mut self, steps: usize) -> bool {
+        let ok = self.runner.has_timeline();
+        self.timeline_steps = if ok { steps } else { 0 };
+        self.timeline = None;
+        ok
+    }
+
+    /// The timeline recorded since [`arm_timeline`](Self::arm_timeline), if any.
+    pub fn take_timeline(&mut self) -> Option<StepTimeline> {
+        self.timeline.take()
     }
 
     /// Ends device-fed decoding: `seq` keeps `len` tokens.

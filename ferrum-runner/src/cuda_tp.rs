@@ -407,6 +407,16 @@ impl DecodeBackend for CudaTpBackend {
         self.label.clone()
     }
 
+    fn arm_timeline(&mut self, steps: usize) -> Result<bool> {
+        let armed = self.on_ranks(move |w, _| Ok(w.rank.graphed() && w.rank.arm_timeline(steps)))?;
+        Ok(armed.iter().all(|&a| a))
+    }
+
+    fn take_timelines(&mut self) -> Result<Vec<ferrum_cuda::timeline::StepTimeline>> {
+        let t = self.on_ranks(|w, _| Ok(w.rank.take_timeline()))?;
+        Ok(t.into_iter().flatten().collect())
+    }
+
     fn has_device_decode(&self) -> bool {
         true
     }

@@ -8,6 +8,9 @@
 //!   is stale (byte compare after the header), runs `ptxas -v` for sm_80 and sm_90 and fails on
 //!   any spill or local-memory stack frame, prints registers and shared memory per kernel, and
 //!   fails when a kernel the Rust side names (`ferrum-cuda/src/kernel_list.rs`) is missing.
+//! - `cargo xtask ptx --timeline` writes the compute_90 set with `-DFERRUM_TIMELINE` (a
+//!   measurement build for `ferrum bench --timeline`: kernels stamp their wait release); not
+//!   for commit (`--check` calls it stale until `cargo xtask ptx` writes the plain set back).
 //!
 //! nvcc is pinned to 13.0.88: taken from `$FERRUM_NVCC`, the cache folder
 //! (`$FERRUM_CACHE/nvcc-13.0.88`, else `~/.cache/ferrum/nvcc-13.0.88`), or `PATH`, in that
@@ -43,6 +46,11 @@ pub struct PtxArgs {
     /// Verify the committed PTX instead of writing it.
     #[arg(long)]
     pub check: bool,
+    /// Measurement build: write the compute_90 set with `-DFERRUM_TIMELINE` (every kernel
+    /// stamps its blocks' wait release; `ferrum bench --timeline` reads the stamps). Never
+    /// commit it: `cargo xtask ptx` writes the plain set back, and `--check` fails until then.
+    #[arg(long, conflicts_with = "check")]
+    pub timeline: bool,
 }
 
 fn workspace_root() -> PathBuf {
@@ -277,6 +285,14 @@ pub fn run(a: PtxArgs) -> Result<()> {
     let ptx_root = root.join("ferrum-cuda/ptx");
     if !a.check {
         for (sub, arch, flags) in TARGETS {
+            let mut flags = flags.to_vec();
+            if a.timeline {
+                if sub.is_empty() {
+                    continue; // the stamps sit in the programmatic-launch wait: compute_90 only
+                }
+                flags.push("-DFERRUM_TIMELINE");
+            }
+            let flags = flags.as_slice();
             let ptx_dir = ptx_root.join(sub);
             fs::create_dir_all(&ptx_dir)?;
             let tmp = temp_dir("build")?;

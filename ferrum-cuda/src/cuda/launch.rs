@@ -296,7 +296,7 @@ fn is_decode_attention(k: Kernel) -> bool {
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
 pub(crate) struct Kernels {
     funcs: Vec<CudaFunction>,
-    _modules: Vec<Arc<CudaModule>>,
+    modules: Vec<Arc<CudaModule>>,
     pub(crate) stream: Arc<CudaStream>,
     blas: CudaBlas,
     pub(crate) dtype: DType,
@@ -323,6 +323,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_GEMV_WARPS_PER_SM`: the two-row warps per multiprocessor that the split-K
     /// factor aims at (default `plan::GEMV_WARPS_PER_SM`).
     pub(crate) gemv_warps_per_sm: usize,
+    /// `FERRUM_GEMV_LANES`: lanes per row group of the short-row GEMVs instead of
+    /// `plan::gemv_lanes_per_row`'s choice.
+    pub(crate) gemv_lanes: Option<u32>,
     /// `FERRUM_GEMV_SPLIT_K`: the largest GEMV split-K factor (1 turns split-K off; default
     /// `plan::GEMV_MAX_KS`).
     pub(crate) gemv_max_ks: u32,
@@ -408,6 +411,11 @@ impl GemvVariant {
     fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
         grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * self.groups()))
     }
+    /// The grid of the short-row kernels (`lanes` < 32 lanes per two-row group, `ks == 1`):
+    /// `32 / lanes` groups per warp.
+    fn grid_lanes(self, outputs: usize, lanes: u32) -> Result<u32> {
+        grid1(outputs.div_ceil(2 * (32 / lanes as usize) * self.groups()))
+    }
     /// Block shape: `(32 * groups, ks)`.
     fn block_dim(self) -> (u32, u32, u32) {
         (32 * self.groups() as u32, self.ks, 1)
@@ -424,7 +432,10 @@ pub(crate) const GEMV_VARIANTS: [GemvVariant; crate::plan::GEMV_VARIANT_COUNT] =
 
 /// GEMV variant per `(rows, cols, gateup)` shape; shapes not listed use the default.
 pub(crate) type GemvTable = std::collections::HashMap<(usize, usize, bool), GemvVariant>;
-pub(crate) const ARGMAX_CHUNK: usize = 4096;
+/// Logits per block of the argmax's first pass: 256 threads of misc.cu's `ARGMAX_PER` (4), so
+/// each thread loads its logits in one round (4096 took 16 dependent rounds, 8.3 µs at a
+/// 128k vocabulary in the decode step's kernel timeline).
+pub(crate) const ARGMAX_CHUNK: usize = 1024;
 pub(crate) use crate::plan::ATTN_MAX_WARPS;
 /// Query rows per block and threads per block of the prefill attention (attention.cu's
 /// `PF_BM` and `PF_WARPS * 32`).
@@ -463,6 +474,7 @@ impl Kernels {
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT")?.as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
+        let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let mut modules = Vec::new();
@@ -500,6 +512,7 @@ impl Kernels {
             ?gemv_variant,
             gemv_max_ks,
             gemv_warps_per_sm,
+            ?gemv_lanes,
             attn_tc_min_capacity,
             attn_head_dim_kernels,
             ?carveout,
@@ -507,7 +520,7 @@ impl Kernels {
         );
         Ok(Kernels {
             funcs,
-            _modules: modules,
+            modules,
             stream,
             blas,
             dtype,
@@ -522,6 +535,7 @@ impl Kernels {
             gemv_variant,
             gemv_max_ks,
             gemv_warps_per_sm,
+            gemv_lanes,
             attn_tc_min_capacity,
             attn_head_dim_kernels,
             marks: RefCell::new(None),
@@ -542,6 +556,66 @@ impl Kernels {
             cluster_y: 0,
             marks: &self.marks,
         }
+    }
+
+    /// Whether the loaded kernels are the timeline build (`cargo xtask ptx --timeline`): every
+    /// module has the stamp table (crate::timeline).
+    pub(crate) fn has_timeline(&self) -> bool {
+        self.modules.iter().all(|m| m.get_global("ferrum_tl_on", &self.stream).is_ok())
+    }
+
+    /// Timeline build: the kernels launched on the stream after this call stamp as replay
+    /// `Some(r)` (`r == 0` resets every table first; at most `timeline::REPLAYS` replays between
+    /// two reads) or not at all (`None`), in stream order, up to the next call.
+    pub(crate) fn timeline_set(&self, replay: Option<u32>) -> Result<()> {
+        let missing = || {
+            Error::InvalidArgument(
+                "the kernels are not the timeline build (build the PTX with `cargo xtask ptx --timeline`)".into(),
+            )
+        };
+        let flag = match replay {
+            Some(r) if r as usize >= crate::timeline::REPLAYS => {
+                return Err(Error::InvalidArgument(format!(
+                    "timeline replay {r}: at most {} replays between two reads",
+                    crate::timeline::REPLAYS
+                )))
+            }
+            Some(r) => r + 1,
+            None => 0,
+        };
+        for m in &self.modules {
+            if replay == Some(0) {
+                let mut t = m.get_global("ferrum_tl", &self.stream).map_err(|_| missing())?;
+                let ones = vec![0xffu8; t.len()];
+                self.stream.memcpy_htod(&ones, &mut t).map_err(Error::driver("resetting the timeline table"))?;
+            }
+            let mut f = m.get_global("ferrum_tl_on", &self.stream).map_err(|_| missing())?;
+            let bytes = flag.to_le_bytes();
+            self.stream.memcpy_htod(&bytes[..f.len().min(4)], &mut f).map_err(Error::driver("the timeline flag"))?;
+        }
+        Ok(())
+    }
+
+    /// Timeline build: the stamps of every module, per replay row, each row sorted by grid id
+    /// (waits for the stream first).
+    pub(crate) fn timeline_read(&self) -> Result<Vec<Vec<crate::timeline::GridStamp>>> {
+        let mut rows: Vec<Vec<crate::timeline::GridStamp>> = Vec::new();
+        for m in &self.modules {
+            let t = m
+                .get_global("ferrum_tl", &self.stream)
+                .map_err(|_| Error::InvalidArgument("the kernels are not the timeline build".into()))?;
+            let bytes = self.stream.clone_dtoh(&t).map_err(Error::driver("reading the timeline table"))?;
+            for (i, r) in crate::timeline::parse_table(&bytes).into_iter().enumerate() {
+                if rows.len() <= i {
+                    rows.resize_with(i + 1, Vec::new);
+                }
+                rows[i].extend(r);
+            }
+        }
+        for r in &mut rows {
+            r.sort_by_key(|s| s.grid);
+        }
+        Ok(rows)
     }
 
     /// `x[r][:] = table[tokens[r]][:]` for `rows` rows (ids >= vocab give zero rows).
@@ -1102,20 +1176,33 @@ impl Kernels {
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         let v = self.gemv_table.get(&(as_rows, cols, false)).copied().unwrap_or_default();
-        let k = match (v.rows4, io) {
+        // A tall matrix of short rows without split-K (small models' LM heads): 8 or 16 lanes
+        // per two-row group (the plain and `_norm` kernels; two rows per group whatever the
+        // variant's `rows4`). Chosen from the whole matrix's shape (`as_rows`), as the variant.
+        let lanes = crate::plan::gemv_lanes_per_row(as_rows, cols, v.ks, self.gemv_lanes);
+        let short = match (lanes, io) {
+            (8, GemvIo::Plain) => Some(pick(self.dtype, Kernel::GemvL8F16, Kernel::GemvL8Bf16)),
+            (8, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL8F16, Kernel::GemvNormL8Bf16)),
+            (16, GemvIo::Plain) => Some(pick(self.dtype, Kernel::GemvL16F16, Kernel::GemvL16Bf16)),
+            (16, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL16F16, Kernel::GemvNormL16Bf16)),
+            _ => None,
+        };
+        let k = short.unwrap_or(match (v.rows4, io) {
             (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
             (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
             (false, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
             (true, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
             (false, GemvIo::AddTo) => pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16),
             (true, GemvIo::AddTo) => pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16),
-        };
+        });
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
-        let grid = v.grid(rows, false)?;
+        let grid = if short.is_some() { v.grid_lanes(rows, lanes)? } else { v.grid(rows, false)? };
         // SAFETY: each group of ks warps (block (32 * groups, ks), groups * ks <= 8 as
         // gemv.cu's shared slots assume: `GemvVariant::block_dim`) reads ROWS (2 or 4)
-        // consecutive rows of W (clamped to rows-1) over cols, each warp its column stripes,
+        // consecutive rows of W (clamped to rows-1) over cols, each warp its column stripes
+        // (the short-row kernels: each 8 or 16 lanes of a warp two rows, with ks == 1 as
+        // plan::gemv_lanes_per_row guarantees, the grid from `grid_lanes`),
         // and the f32 x over cols (the `_norm` kernels also the dtype norm weight over
         // cols, null and unread otherwise), and writes (the `_res` kernels read and write) the
         // f32 y[r] for r < rows only; extents checked above; y never overlaps x (distinct

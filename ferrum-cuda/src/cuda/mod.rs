@@ -969,6 +969,27 @@ impl CudaDecodeRunner {
         self.profile(|r| r.decode_step(seq, token, position).map(|_| ()))
     }
 
+    /// Whether the kernels are the timeline build (`cargo xtask ptx --timeline`; see
+    /// [`crate::timeline`]).
+    pub fn has_timeline(&self) -> bool {
+        self.k.has_timeline()
+    }
+
+    /// Timeline build: the kernels enqueued after this call on [`stream`](Self::stream) stamp
+    /// as replay `Some(r)` (`r == 0` resets the tables; `r < timeline::REPLAYS`) or not at all
+    /// (`None`), in stream order: call it between graph replays. An `InvalidArgument` error
+    /// when the kernels are not the timeline build.
+    pub fn timeline_arm(&self, replay: Option<u32>) -> Result<()> {
+        self.k.timeline_set(replay)
+    }
+
+    /// Timeline build: the stamps since the last reset, per replay row (each sorted by grid
+    /// id; waits for the stream). Map them onto a graph's kernels with
+    /// [`crate::timeline::step_timeline`].
+    pub fn timeline_read(&self) -> Result<Vec<Vec<crate::timeline::GridStamp>>> {
+        self.k.timeline_read()
+    }
+
     /// [`prefill`](Self::prefill) profiled like [`profile_decode_step`](Self::profile_decode_step).
     pub fn profile_prefill(&mut self, seq: u64, tokens: &[u32]) -> Result<Vec<(&'static str, f64)>> {
         self.profile(|r| r.prefill(seq, tokens).map(|_| ()))
@@ -1234,7 +1255,11 @@ impl CudaDecodeRunner {
             .k
             .gemv_table
             .iter()
-            .map(|(&(r, c, g), v)| (r, c, g, format!("{}x{}/k{}", if v.rows4 { 4 } else { 2 }, v.block, v.ks)))
+            .map(|(&(r, c, g), v)| {
+                let lanes = if g { 32 } else { crate::plan::gemv_lanes_per_row(r, c, v.ks, self.k.gemv_lanes) };
+                let l = if lanes < 32 { format!("/l{lanes}") } else { String::new() };
+                (r, c, g, format!("{}x{}/k{}{l}", if v.rows4 { 4 } else { 2 }, v.block, v.ks))
+            })
             .collect();
         v.sort();
         v

@@ -1,0 +1,336 @@
+//! Kernel timelines of replayed decode steps, from the timeline build of the kernels
+//! (`cargo xtask ptx --timeline`, a measurement build: common.cuh's `FERRUM_TIMELINE`).
+//!
+//! In that build the first thread of every block stamps `%globaltimer` right after its
+//! programmatic-launch wait, while the host has armed a replay number, into its grid's slot of
+//! that replay's row of a per-module table (`%gridid` modulo [`NODES`]: in a graph replay the
+//! grid ids' low bits number the kernel nodes): the grid id, the earliest and the latest stamp,
+//! and the number of blocks. A kernel's
+//! earliest stamp is when the kernel before it had completed and its writes were visible, so
+//! the difference between two consecutive kernels' earliest stamps is what the first kernel
+//! cost the step inside the graph, overlap with its neighbours included — the figure that an
+//! event after every kernel (`--kernel-profile`) distorts.
+//!
+//! This module holds the pure part (the table layout and the analysis); the runner arms the
+//! tables and reads them (`CudaDecodeRunner::timeline_arm`, `timeline_read`), and the graph
+//! layer names the kernels (`ferrum_graph::CapturedGraph::kernel_names`).
+
+/// Replay rows per module table (common.cuh's `FERRUM_TL_REPLAYS`): at most this many replays
+/// are recorded between two reads.
+pub const REPLAYS: usize = 64;
+/// Slots per replay row (common.cuh's `FERRUM_TL_NODES`): grid ids are taken modulo this.
+pub const NODES: usize = 4096;
+/// Bytes per slot: `grid: u64, first: u64, last_not: u64, blocks: u32, pad: u32`.
+pub const SLOT_BYTES: usize = 32;
+
+/// One grid's stamps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GridStamp {
+    /// `%gridid` (unique per launch in a context, increasing in launch order).
+    pub grid: u64,
+    /// Earliest wait release of its blocks (ns, `%globaltimer`).
+    pub first_ns: u64,
+    /// Latest wait release of its blocks (ns): a block resident only after others finished.
+    pub last_ns: u64,
+    /// Blocks that stamped (the first 8 and every 32nd: common.cuh).
+    pub blocks: u32,
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// The stamped slots of one module table (reset to all-ones bytes, then stamped), per replay
+/// row: `REPLAYS` rows of `NODES` slots; a slot whose block count is still all-ones was not
+/// stamped. Each row comes sorted by grid id.
+pub fn parse_table(bytes: &[u8]) -> Vec<Vec<GridStamp>> {
+    let mut rows: Vec<Vec<GridStamp>> = bytes
+        .chunks(NODES * SLOT_BYTES)
+        .map(|row| {
+            row.chunks_exact(SLOT_BYTES)
+                .filter_map(|s| {
+                    let mut c = [0u8; 4];
+                    c.copy_from_slice(&s[24..28]);
+                    // The count starts at all-ones and each block adds one.
+                    let blocks = u32::from_le_bytes(c).wrapping_add(1);
+                    (blocks != 0).then(|| GridStamp {
+                        grid: u64_at(s, 0),
+                        first_ns: u64_at(s, 8),
+                        last_ns: !u64_at(s, 16),
+                        blocks,
+                    })
+                })
+                .collect()
+        })
+        .collect();
+    for r in &mut rows {
+        r.sort_by_key(|s| s.grid);
+    }
+    rows
+}
+
+/// One kernel of the step (one graph kernel node), over the recorded replays.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelTime {
+    /// Its function name.
+    pub name: String,
+    /// Sum over the recorded replays of the time from its earliest wait release to the next
+    /// kernel's (ns): what it cost the step.
+    pub sum_ns: f64,
+    /// How many such durations `sum_ns` holds (replays in which it and its successor stamped).
+    pub durations: usize,
+    /// Sum of the time from its earliest to its latest wait release (ns).
+    pub spread_sum_ns: f64,
+    /// Blocks that stamped, in the last replay that stamped it (see [`GridStamp::blocks`]).
+    pub blocks: u32,
+    /// Replays in which it stamped.
+    pub samples: usize,
+}
+
+impl KernelTime {
+    /// Mean cost to the step (ns); `None` without a duration.
+    pub fn mean_ns(&self) -> Option<f64> {
+        (self.durations > 0).then(|| self.sum_ns / self.durations as f64)
+    }
+    /// Mean spread of its blocks' wait releases (ns).
+    pub fn spread_ns(&self) -> f64 {
+        if self.samples > 0 {
+            self.spread_sum_ns / self.samples as f64
+        } else {
+            0.0
+        }
+    }
+}
+
+/// The recorded replays of one graph, kernel by kernel.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTimeline {
+    /// Every kernel node, in graph order.
+    pub kernels: Vec<KernelTime>,
+    /// Replays mapped (every kernel node stamped once).
+    pub replays: usize,
+    /// Sum over the mapped replays of the time from the first kernel's release to the last
+    /// one's (ns).
+    pub span_sum_ns: f64,
+    /// Replay rows with stamps that could not be mapped (not one stamp per kernel node): a
+    /// kernel without the stamp, or two nodes in one slot. Nonzero: those replays are left out.
+    pub unmapped: usize,
+    /// Consecutive kernels whose releases run backwards in a mapped replay (nonzero: the grid
+    /// order is not the node order, and the figures are not trustworthy).
+    pub out_of_order: usize,
+    /// The grid ids of the first mapped replay's first nodes (for the record).
+    pub first_grids: Vec<u64>,
+}
+
+impl StepTimeline {
+    /// Mean time from a replay's first kernel release to its last one's (ns).
+    pub fn span_ns(&self) -> Option<f64> {
+        (self.replays > 0).then(|| self.span_sum_ns / self.replays as f64)
+    }
+
+    /// Adds another recording of the same graph (e.g. the next batch of replays). An error when
+    /// the graphs differ.
+    pub fn merge(&mut self, o: &StepTimeline) -> Result<(), String> {
+        if self.kernels.is_empty() && self.replays == 0 {
+            *self = o.clone();
+            return Ok(());
+        }
+        if self.kernels.len() != o.kernels.len() || self.kernels.iter().zip(&o.kernels).any(|(a, b)| a.name != b.name) {
+            return Err("timelines of different graphs".into());
+        }
+        for (a, b) in self.kernels.iter_mut().zip(&o.kernels) {
+            a.sum_ns += b.sum_ns;
+            a.durations += b.durations;
+            a.spread_sum_ns += b.spread_sum_ns;
+            a.samples += b.samples;
+            if b.samples > 0 {
+                a.blocks = b.blocks;
+            }
+        }
+        self.replays += o.replays;
+        self.span_sum_ns += o.span_sum_ns;
+        self.unmapped += o.unmapped;
+        self.out_of_order += o.out_of_order;
+        if self.first_grids.is_empty() {
+            self.first_grids = o.first_grids.clone();
+        }
+        Ok(())
+    }
+}
+
+/// Maps each replay row's stamps (sorted by grid id: launch order) onto the graph's kernel
+/// nodes `names` by position, when the row has exactly one stamp per node; other nonempty rows
+/// count as `unmapped`. A kernel's duration is the next node's earliest release minus its own
+/// (the last node has none).
+pub fn step_timeline(rows: &[Vec<GridStamp>], names: &[String]) -> StepTimeline {
+    let k = names.len();
+    let mut t = StepTimeline {
+        kernels: names.iter().map(|name| KernelTime { name: name.clone(), ..Default::default() }).collect(),
+        ..Default::default()
+    };
+    for row in rows.iter().filter(|r| !r.is_empty()) {
+        if row.len() != k {
+            t.unmapped += 1;
+            continue;
+        }
+        if t.first_grids.is_empty() {
+            t.first_grids = row.iter().take(4).map(|s| s.grid).collect();
+        }
+        t.replays += 1;
+        t.span_sum_ns += row[k - 1].first_ns.saturating_sub(row[0].first_ns) as f64;
+        for (i, s) in row.iter().enumerate() {
+            let kt = &mut t.kernels[i];
+            kt.spread_sum_ns += s.last_ns.saturating_sub(s.first_ns) as f64;
+            kt.blocks = s.blocks;
+            kt.samples += 1;
+            if let Some(n) = row.get(i + 1) {
+                if n.first_ns < s.first_ns {
+                    t.out_of_order += 1;
+                } else {
+                    kt.sum_ns += (n.first_ns - s.first_ns) as f64;
+                    kt.durations += 1;
+                }
+            }
+        }
+    }
+    t
+}
+
+/// The repeating layer of a step: `(start, period)` such that nodes `start + j + l * period`
+/// have the same name for every layer `l` and `j < period`, found from the nodes named like
+/// the decode attention (`"attn"` in the name, not `"combine"`); `None` with fewer than three
+/// such nodes or irregular spacing.
+pub fn layer_period(names: &[String]) -> Option<(usize, usize)> {
+    let at: Vec<usize> = names
+        .iter()
+        .enumerate()
+        .filter(|(_, n)| n.contains("attn") && !n.contains("combine"))
+        .map(|(i, _)| i)
+        .collect();
+    if at.len() < 3 {
+        return None;
+    }
+    let p = at[2] - at[1];
+    (p > 0 && at.windows(2).skip(1).all(|w| w[1] - w[0] == p)).then_some((at[1], p))
+}
+
+/// The mean cost of each position of the repeating layer over the middle layers (every layer
+/// but the first and the last, whose neighbours differ), as `(name, mean ns)` from the
+/// attention on; `None` when [`layer_period`] finds no layer.
+pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
+    let names: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
+    let (start, p) = layer_period(&names)?;
+    let layers = names.iter().enumerate().filter(|(_, n)| n.contains("attn") && !n.contains("combine")).count();
+    let mut out = Vec::with_capacity(p);
+    for j in 0..p {
+        let (mut sum, mut n) = (0.0, 0usize);
+        // Layers 1 .. layers - 1 (their attention at start + (l - 1) p).
+        for l in 0..layers.saturating_sub(2) {
+            let i = start + j + l * p;
+            if let Some(m) = t.kernels.get(i).and_then(KernelTime::mean_ns) {
+                sum += m;
+                n += 1;
+            }
+        }
+        out.push((names[start + j].clone(), if n > 0 { sum / n as f64 } else { f64::NAN }));
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(grid: u64, first: u64, last: u64, blocks: u32) -> [u8; SLOT_BYTES] {
+        let mut s = [0u8; SLOT_BYTES];
+        s[0..8].copy_from_slice(&grid.to_le_bytes());
+        s[8..16].copy_from_slice(&first.to_le_bytes());
+        s[16..24].copy_from_slice(&(!last).to_le_bytes());
+        s[24..28].copy_from_slice(&blocks.wrapping_sub(1).to_le_bytes());
+        s
+    }
+
+    #[test]
+    fn a_reset_table_has_no_stamps_and_stamped_slots_parse_per_replay_row() {
+        let mut t = vec![0xffu8; 2 * NODES * SLOT_BYTES];
+        assert!(parse_table(&t).iter().all(Vec::is_empty));
+        let at = |row: usize, slot: usize| (row * NODES + slot) * SLOT_BYTES;
+        t[at(1, 9)..at(1, 10)].copy_from_slice(&slot(9, 300, 300, 1));
+        t[at(1, 5)..at(1, 6)].copy_from_slice(&slot(4101, 100, 250, 3));
+        let rows = parse_table(&t);
+        assert_eq!(rows.len(), 2);
+        assert!(rows[0].is_empty());
+        assert_eq!(
+            rows[1],
+            vec![
+                GridStamp { grid: 9, first_ns: 300, last_ns: 300, blocks: 1 },
+                GridStamp { grid: 4101, first_ns: 100, last_ns: 250, blocks: 3 },
+            ]
+        );
+    }
+
+    fn names(n: &[&str]) -> Vec<String> {
+        n.iter().map(|s| s.to_string()).collect()
+    }
+
+    fn g(grid: u64, first_ns: u64, last_ns: u64, blocks: u32) -> GridStamp {
+        GridStamp { grid, first_ns, last_ns, blocks }
+    }
+
+    #[test]
+    fn rows_map_onto_nodes_by_position_and_durations_are_next_minus_this() {
+        let nm = names(&["embed", "qkv", "attn"]);
+        let rows = vec![
+            vec![g(65536, 1000, 1000, 1), g(65537, 1100, 1150, 8), g(65538, 1400, 1400, 4)],
+            vec![],
+            vec![g(131072, 2000, 2000, 1), g(131073, 2120, 2120, 8), g(131074, 2420, 2420, 2)],
+            // A row missing a node is left out.
+            vec![g(196608, 3000, 3000, 1), g(196609, 3100, 3100, 8)],
+        ];
+        let t = step_timeline(&rows, &nm);
+        assert_eq!((t.replays, t.unmapped, t.out_of_order), (2, 1, 0));
+        assert_eq!(t.span_ns(), Some(410.0));
+        assert_eq!(t.kernels[0].mean_ns(), Some(110.0)); // (100 + 120) / 2
+        assert_eq!(t.kernels[1].mean_ns(), Some(300.0));
+        assert_eq!(t.kernels[1].spread_ns(), 25.0);
+        assert_eq!(t.kernels[2].mean_ns(), None); // the last node has no successor
+        assert_eq!((t.kernels[2].samples, t.kernels[2].blocks), (2, 2));
+        assert_eq!(t.first_grids, vec![65536, 65537, 65538]);
+        // A second recording of the same graph merges by sums; another graph is refused.
+        let mut m = StepTimeline::default();
+        m.merge(&t).unwrap();
+        m.merge(&t).unwrap();
+        assert_eq!(
+            (m.replays, m.span_ns(), m.kernels[1].mean_ns(), m.kernels[1].samples),
+            (4, Some(410.0), Some(300.0), 4)
+        );
+        assert!(m.merge(&step_timeline(&rows, &names(&["x", "qkv", "attn"]))).is_err());
+    }
+
+    #[test]
+    fn a_wrong_mapping_shows_as_out_of_order() {
+        let nm = names(&["a", "b"]);
+        let t = step_timeline(&[vec![g(1, 500, 500, 1), g(2, 100, 100, 1)]], &nm);
+        assert_eq!(t.out_of_order, 1);
+        assert_eq!(step_timeline(&[], &nm).replays, 0);
+    }
+
+    #[test]
+    fn the_layer_period_comes_from_the_attention_nodes() {
+        let mut nm = names(&["embed"]);
+        for _ in 0..4 {
+            nm.extend(names(&["qkv", "attn_x", "o", "gu", "down"]));
+        }
+        nm.extend(names(&["head", "argmax"]));
+        assert_eq!(layer_period(&nm), Some((7, 5)));
+        assert_eq!(layer_period(&names(&["attn", "x", "attn"])), None);
+        let st: Vec<GridStamp> = (0..nm.len() as u64).map(|i| g(100 + i, 10 * i * i, 10 * i * i, 1)).collect();
+        let t = step_timeline(&[st], &nm);
+        let lp = layer_profile(&t).unwrap();
+        assert_eq!(lp.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["attn_x", "o", "gu", "down", "qkv"]);
+        // Node i costs 10 ((i+1)^2 - i^2) = 10 (2i + 1); layers 1 and 2 (attention at 7, 12).
+        assert_eq!(lp[0].1, (10.0 * 15.0 + 10.0 * 25.0) / 2.0);
+    }
+}
