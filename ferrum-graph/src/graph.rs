@@ -197,13 +197,40 @@ fn is_capture_error(e: &(dyn std::error::Error + 'static)) -> bool {
 struct Summary {
     nodes: usize,
     kernels: usize,
-    /// The kernel nodes' function names, in node order (see `kernel_name`).
-    kernel_names: Vec<String>,
     violations: Vec<String>,
 }
 
-/// The function name of a kernel node (`"?"` when the driver does not say: a node made from a
-/// `CUkernel` without a function handle, or a driver without `cuFuncGetName`).
+/// The kernel nodes' function names of a live graph, in node order (empty when the driver
+/// does not list the nodes).
+fn graph_kernel_names(graph: cu::CUgraph) -> Vec<String> {
+    let mut n: usize = 0;
+    // SAFETY: `graph` is a live graph; a null node array asks for the count only.
+    if unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) } != cu::CUresult::CUDA_SUCCESS || n == 0 {
+        return Vec::new();
+    }
+    let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    let mut got = n;
+    // SAFETY: `nodes` has room for `got` handles.
+    if unsafe { cu::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut got) } != cu::CUresult::CUDA_SUCCESS {
+        return Vec::new();
+    }
+    nodes.truncate(got.min(n));
+    nodes
+        .into_iter()
+        .filter(|&node| {
+            let mut ty: u32 = u32::MAX;
+            // SAFETY: `node` belongs to the live graph; `CUgraphNodeType` is `repr(u32)`, so a
+            // u32 slot has its layout whatever value the driver writes.
+            let ok = unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) };
+            ok == cu::CUresult::CUDA_SUCCESS && ty == cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32
+        })
+        .map(kernel_name)
+        .collect()
+}
+
+/// The function name of a kernel node (`"?"` when the driver does not say, e.g. a node made from
+/// a `CUkernel` without a function handle). Needs `cuFuncGetName` (CUDA 12.3 drivers and
+/// later; ferrum's PTX needs a CUDA 13 driver anyway).
 fn kernel_name(node: cu::CUgraphNode) -> String {
     let mut p = std::mem::MaybeUninit::<cu::CUDA_KERNEL_NODE_PARAMS>::zeroed();
     // SAFETY: `node` is a kernel node of a live graph; `p` is writable, zeroed storage of the
@@ -276,7 +303,6 @@ fn inspect(graph: cu::CUgraph) -> Result<Summary> {
         check("cuGraphNodeGetType", unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) })?;
         if ty == CU_GRAPH_NODE_TYPE_KERNEL as u32 {
             s.kernels += 1;
-            s.kernel_names.push(kernel_name(node));
         } else if ty == CU_GRAPH_NODE_TYPE_MEMCPY as u32 {
             let mut p = std::mem::MaybeUninit::<cu::CUDA_MEMCPY3D>::zeroed();
             // SAFETY: `node` is a memcpy node of the live graph; `p` is writable storage of the
@@ -330,7 +356,8 @@ pub struct CapturedGraph {
     ctx: Arc<CudaContext>,
     nodes: usize,
     kernels: usize,
-    kernel_names: Vec<String>,
+    /// The kernel nodes' names, read on the first [`CapturedGraph::kernel_names`] call.
+    kernel_names: std::cell::OnceCell<Vec<String>>,
     keep: Vec<Box<dyn Any + Send>>,
 }
 
@@ -465,7 +492,7 @@ impl CapturedGraph {
             ctx: ctx.clone(),
             nodes: summary.nodes,
             kernels: summary.kernels,
-            kernel_names: summary.kernel_names,
+            kernel_names: std::cell::OnceCell::new(),
             keep: Vec::new(),
         })
     }
@@ -516,7 +543,10 @@ impl CapturedGraph {
     /// The kernel nodes' function names, in the graph's node order (for a stream capture, the
     /// order of the launches); `"?"` where the driver does not name one.
     pub fn kernel_names(&self) -> &[String] {
-        &self.kernel_names
+        self.kernel_names.get_or_init(|| match &self.graph {
+            Some(g) => graph_kernel_names(g.0),
+            None => Vec::new(),
+        })
     }
 
     /// Ordinal of the device the graph runs on.

@@ -149,7 +149,7 @@ struct TimelineReport {
     /// The repeating layer over the middle layers: (kernel, mean µs), from the attention on.
     layer: Option<Vec<(String, f64)>>,
     /// Every kernel node of the step in graph order: name, mean µs, spread of its blocks'
-    /// wait releases in µs, blocks.
+    /// wait releases in µs, blocks that stamped (the first 8 and every 32nd).
     kernels: Vec<TimelineKernel>,
 }
 
@@ -158,7 +158,7 @@ struct TimelineKernel {
     name: String,
     mean_us: Option<f64>,
     spread_us: f64,
-    blocks: u32,
+    stamped_blocks: u32,
 }
 
 fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
@@ -176,7 +176,7 @@ fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
                 name: k.name.clone(),
                 mean_us: k.mean_ns().map(|n| n / 1e3),
                 spread_us: k.spread_ns() / 1e3,
-                blocks: k.blocks,
+                stamped_blocks: k.blocks,
             })
             .collect(),
     }
@@ -253,6 +253,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.profiler_range && !device {
         bail!("--profiler-range needs the device loop (--device cuda, without --host-loop)");
     }
+    if a.timeline.is_some() && !device {
+        bail!("--timeline needs the device loop (--device cuda, without --host-loop)");
+    }
     let (mut enqueue_s, mut replays, mut capture_ms) = (0.0f64, 0u64, None);
     for run in 0..=a.runs {
         let t = Instant::now();
@@ -316,10 +319,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
         Some(steps) => {
             let steps = (steps as usize).min(a.gen_tokens);
             let logits = backend.prefill(&prompt, capacity)?;
-            if !device || !backend.arm_timeline(steps)? {
+            if !backend.arm_timeline(steps)? {
                 bail!(
                     "--timeline needs the timeline build of the kernels (`cargo xtask ptx --timeline`, then \
-                     rebuild) and the device loop with graphs"
+                     rebuild) and graph replays"
                 );
             }
             backend.decode_on_device(argmax(&logits), a.gen_tokens, DeviceSampling::Greedy, &mut |_| Ok(true))?;
@@ -395,10 +398,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
                     println!("    {name:<40} {v:>7.2} µs");
                 }
             }
-            println!("  every kernel of the step (mean µs to the next kernel's release, spread, blocks):");
+            println!(
+                "  every kernel of the step (mean µs to the next kernel's release, spread of the stamped \
+                 releases, stamped blocks: the first 8 and every 32nd):"
+            );
             for k in &t.kernels {
                 let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
-                println!("    {:<40} {m:>7} {:>7.2} {:>6}", k.name, k.spread_us, k.blocks);
+                println!("    {:<40} {m:>7} {:>7.2} {:>6}", k.name, k.spread_us, k.stamped_blocks);
             }
         }
         for (what, rows) in [("one decode step", &r.kernel_profile), ("one prefill", &r.prefill_kernel_profile)] {

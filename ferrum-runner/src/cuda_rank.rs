@@ -277,7 +277,11 @@ impl CudaRank {
             // replay row (stream-ordered flag copies between the replays).
             let record = self.timeline_steps.min(n).min(ferrum_cuda::timeline::REPLAYS);
             self.timeline_steps -= record;
-            let names = (record > 0).then(|| graph.kernel_names().to_vec());
+            // Only ferrum's kernels stamp: the nodes of other libraries (NCCL's collectives, cuBLAS)
+            // are left out of the mapping, and the ferrum kernel before one of them is charged
+            // its time up to the next ferrum kernel.
+            let names: Option<Vec<String>> = (record > 0)
+                .then(|| graph.kernel_names().iter().filter(|n| n.starts_with("ferrum_")).cloned().collect());
             let runner = &self.runner;
             let mark = |i: usize| -> Result<()> {
                 if i < record {
@@ -287,53 +291,63 @@ impl CudaRank {
                 }
                 Ok(())
             };
-            match self.comm.clone() {
-                None => {
-                    for i in 0..n {
-                        mark(i)?;
-                        let t = Instant::now();
-                        graph.replay(&stream).map_err(graph_error)?;
-                        self.stats.enqueue_time += t.elapsed();
+            let comm = self.comm.clone();
+            let replay_all = || -> Result<()> {
+                match comm {
+                    None => {
+                        for i in 0..n {
+                            mark(i)?;
+                            let t = Instant::now();
+                            graph.replay(&stream).map_err(graph_error)?;
+                            self.stats.enqueue_time += t.elapsed();
+                        }
+                        mark(n)?;
                     }
-                    mark(n)?;
-                }
-                Some(c) => {
-                    // The graph holds NCCL kernels: launch it only while its communicator is
-                    // live (under the communicator's lock, so an abort cannot free it mid-launch),
-                    // one replay at a time, each after the previous one finished. So
-                    // cuGraphLaunch never blocks on a full launch queue while holding the lock,
-                    // and an abort from another thread (the group's failure path) can always
-                    // take it. The wait is an event synchronisation (cuEventSynchronize) outside the lock:
-                    // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
-                    // the next `while_live` fails at once instead of waiting for the aborting
-                    // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
-                    // see `NcclRank::while_live`).
-                    let ev = match self.replay_done.take() {
-                        Some(e) => e,
-                        None => stream
-                            .context()
-                            .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                            .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
-                    };
-                    let ev = &*self.replay_done.insert(ev);
-                    let rank = self.rank;
-                    for i in 0..n {
-                        mark(i)?;
-                        let t = Instant::now();
-                        c.while_live(|| graph.replay(&stream))
-                            .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
-                            .map_err(graph_error)?;
-                        self.stats.enqueue_time += t.elapsed();
-                        ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
-                        ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
+                    Some(c) => {
+                        // The graph holds NCCL kernels: launch it only while its communicator is
+                        // live (under the communicator's lock, so an abort cannot free it mid-launch),
+                        // one replay at a time, each after the previous one finished. So
+                        // cuGraphLaunch never blocks on a full launch queue while holding the lock,
+                        // and an abort from another thread (the group's failure path) can always
+                        // take it. The wait is an event synchronisation (cuEventSynchronize) outside the lock:
+                        // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
+                        // the next `while_live` fails at once instead of waiting for the aborting
+                        // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
+                        // see `NcclRank::while_live`).
+                        let ev = match self.replay_done.take() {
+                            Some(e) => e,
+                            None => stream
+                                .context()
+                                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                                .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
+                        };
+                        let ev = &*self.replay_done.insert(ev);
+                        let rank = self.rank;
+                        for i in 0..n {
+                            mark(i)?;
+                            let t = Instant::now();
+                            c.while_live(|| graph.replay(&stream))
+                                .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
+                                .map_err(graph_error)?;
+                            self.stats.enqueue_time += t.elapsed();
+                            ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
+                            ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
+                        }
+                        mark(n)?;
+                        // A replay also "finishes" when an abort made its NCCL kernels exit; its
+                        // tokens are then garbage. The abort marks the communicator before it starts
+                        // (under the lock `while_live` takes), so this refuses them.
+                        c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
                     }
-                    mark(n)?;
-                    // A replay also "finishes" when an abort made its NCCL kernels exit; its
-                    // tokens are then garbage. The abort marks the communicator before it starts
-                    // (under the lock `while_live` takes), so this refuses them.
-                    c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
                 }
+                Ok(())
+            };
+            let replayed = replay_all();
+            if replayed.is_err() && record > 0 {
+                // Leave no later kernel stamping (best effort: the stream may be broken).
+                let _ = runner.timeline_arm(None);
             }
+            replayed?;
             if let Some(names) = names {
                 // Mapped per call (grid ids are consecutive within a run of replays only),
                 // then merged with the earlier calls' recordings.
@@ -368,6 +382,8 @@ impl CudaRank {
 
     /// The timeline recorded since [`arm_timeline`](Self::arm_timeline), if any.
     pub fn take_timeline(&mut self) -> Option<StepTimeline> {
+        // A decode stopped before all the armed steps ran leaves nothing armed for the next.
+        self.timeline_steps = 0;
         self.timeline.take()
     }
 

@@ -637,7 +637,11 @@ impl Kernels {
         // SAFETY: the kernel writes x[0 .. rows*hidden), reads tokens[0 .. rows) and, for ids
         // below vocab only (it checks), table[0 .. vocab*hidden): all three extents were checked
         // above against regions that lie inside live allocations; the argument list matches
-        // the kernel's signature (f32*, T*, u32*, int, int).
+        // the kernel's signature (f32*, T*, u32*, int, int). Its 16-byte path (hidden % 8 == 0)
+        // reads the table row as uint4 and writes x as float4 pairs: the table is a whole
+        // weight allocation and x an activation buffer from its start (the decode step's and
+        // the prefill's only call), both from cuMemAlloc (256-byte aligned), so every row
+        // starts at a multiple of hidden elements, 16 bytes for the dtype and 32 for f32.
         unsafe { b.launch(cfg((grid1(rows)?, 1, 1), 256)) }.map_err(Error::driver("embed"))?;
         Ok(())
     }
@@ -1180,6 +1184,10 @@ impl Kernels {
         // per two-row group (the plain and `_norm` kernels; two rows per group whatever the
         // variant's `rows4`). Chosen from the whole matrix's shape (`as_rows`), as the variant.
         let lanes = crate::plan::gemv_lanes_per_row(as_rows, cols, v.ks, self.gemv_lanes);
+        if lanes < 32 && v.ks != 1 {
+            // plan::gemv_lanes_per_row never gives it: the short-row kernels have no split-K sum.
+            return Err(Error::Internal(format!("a {lanes}-lane GEMV with split-K {}", v.ks)));
+        }
         let short = match (lanes, io) {
             (8, GemvIo::Plain) => Some(pick(self.dtype, Kernel::GemvL8F16, Kernel::GemvL8Bf16)),
             (8, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL8F16, Kernel::GemvNormL8Bf16)),
@@ -1223,7 +1231,10 @@ impl Kernels {
     /// `y = W x` (the variant the start-up tuning chose for the shape), a TP rank's partial of
     /// the peer all-reduce that [`Self::peer_add_rmsnorm`] with `pushed` completes next: the
     /// kernel also pushes its outputs into `peer`'s receive slots for that call (gemv.cu's
-    /// `_push` kernels). Bit-identical to [`Self::gemv`] followed by the unpushed kernel.
+    /// `_push` kernels). Bit-identical to [`Self::gemv`] followed by the unpushed kernel for
+    /// every shape that [`Self::gemv`] launches with 32 lanes a row group (the `_push` kernels
+    /// have no short-row form: `plan::gemv_lanes_per_row` gives fewer lanes only to tall
+    /// matrices of 16384 rows or more, the LM heads, never to a TP partial).
     pub(crate) fn gemv_push(
         &self,
         peer: &super::peer::PeerRank,

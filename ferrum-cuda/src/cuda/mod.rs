@@ -1257,8 +1257,12 @@ impl CudaDecodeRunner {
             .iter()
             .map(|(&(r, c, g), v)| {
                 let lanes = if g { 32 } else { crate::plan::gemv_lanes_per_row(r, c, v.ks, self.k.gemv_lanes) };
-                let l = if lanes < 32 { format!("/l{lanes}") } else { String::new() };
-                (r, c, g, format!("{}x{}/k{}{l}", if v.rows4 { 4 } else { 2 }, v.block, v.ks))
+                // The short-row kernels take two rows per group whatever the variant's `rows4`.
+                let (rows, l) = match lanes {
+                    32 => (if v.rows4 { 4 } else { 2 }, String::new()),
+                    l => (2, format!("/l{l}")),
+                };
+                (r, c, g, format!("{rows}x{}/k{}{l}", v.block, v.ks))
             })
             .collect();
         v.sort();
