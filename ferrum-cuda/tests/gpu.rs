@@ -957,6 +957,23 @@ fn short_row_lm_head_matches_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
+/// The timeline calls on the plain kernels (the committed PTX has no stamp tables): refused
+/// with a clear error, the replay bound checked first; a decode step still runs afterwards.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn timeline_is_refused_without_the_timeline_build() {
+    let (_, _, mut r) = build(LLAMA, DType::BF16, 1);
+    assert!(!r.has_timeline(), "the committed PTX must not be the timeline build");
+    let e = r.timeline_arm(Some(0)).unwrap_err().to_string();
+    assert!(e.contains("timeline build"), "{e}");
+    let e = r.timeline_arm(Some(ferrum_cuda::timeline::REPLAYS as u32)).unwrap_err().to_string();
+    assert!(e.contains("at most"), "{e}");
+    assert!(r.timeline_read().unwrap_err().to_string().contains("timeline build"));
+    r.init_sequence(1, 8).unwrap();
+    r.prefill(1, &[1, 2, 3]).unwrap();
+    r.decode_step(1, 4, 3).unwrap();
+}
+
 /// An element type of the peer all-reduce, with its conversions for the host reference.
 trait PeerTest: ferrum_cuda::peer::PeerElement + ferrum_cuda::cudarc::driver::ValidAsZeroBits + Copy + Unpin {
     fn of(x: f32) -> Self;

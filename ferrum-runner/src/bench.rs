@@ -57,7 +57,7 @@ pub struct BenchArgs {
     /// generation) and print what each kernel of the step cost inside the graph: the time from
     /// its earliest wait release to the next kernel's. Needs the timeline build of the kernels
     /// (`cargo xtask ptx --timeline`, a measurement build) and the device loop with graphs.
-    #[arg(long, value_name = "STEPS", value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    #[arg(long, value_name = "STEPS", value_parser = clap::value_parser!(u64).range(1..=100_000), conflicts_with = "all_reduce")]
     timeline: Option<u64>,
     /// Wrap the last run's decode in `cuProfilerStart` / `cuProfilerStop` on every GPU of the
     /// group, so that `ncu --profile-from-start off` profiles only its kernels (the steps as

@@ -182,6 +182,20 @@ fn profiler_range_without_the_device_loop_is_rejected() {
     assert!(err.contains("--profiler-range") && err.contains("--all-reduce"), "{err}");
 }
 
+#[test]
+fn timeline_needs_the_device_loop_and_a_step_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let err =
+        fails(&["bench", "--model", m, "--prompt-tokens", "4", "--gen-tokens", "2", "--runs", "1", "--timeline", "4"]);
+    assert!(err.contains("--timeline needs the device loop"), "{err}");
+    let err = fails(&["bench", "--model", m, "--timeline", "0"]);
+    assert!(err.contains("--timeline"), "{err}");
+    let err = fails(&["bench", "--all-reduce", "--timeline", "2"]);
+    assert!(err.contains("--timeline") && err.contains("--all-reduce"), "{err}");
+}
+
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn cuda_without_the_feature_says_how_to_get_it() {
