@@ -200,30 +200,40 @@ struct Summary {
     violations: Vec<String>,
 }
 
-/// The kernel nodes' function names of a live graph, in node order (empty when the driver
-/// does not list the nodes).
-fn graph_kernel_names(graph: cu::CUgraph) -> Vec<String> {
+/// The nodes of a live graph, in node order.
+fn graph_nodes(graph: cu::CUgraph) -> Result<Vec<cu::CUgraphNode>> {
     let mut n: usize = 0;
     // SAFETY: `graph` is a live graph; a null node array asks for the count only.
-    if unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) } != cu::CUresult::CUDA_SUCCESS || n == 0 {
-        return Vec::new();
+    check("cuGraphGetNodes", unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
+    if n == 0 {
+        // An empty graph (the driver rejects a second call with an empty array, so don't make one).
+        return Ok(Vec::new());
     }
     let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
     let mut got = n;
     // SAFETY: `nodes` has room for `got` handles.
-    if unsafe { cu::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut got) } != cu::CUresult::CUDA_SUCCESS {
-        return Vec::new();
-    }
+    check("cuGraphGetNodes", unsafe { cu::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut got) })?;
     nodes.truncate(got.min(n));
-    nodes
+    Ok(nodes)
+}
+
+/// A node's type, as the `u32` of `CUgraphNodeType`.
+fn node_type(node: cu::CUgraphNode) -> Result<u32> {
+    let mut ty: u32 = u32::MAX;
+    // SAFETY: `node` belongs to a live graph; `CUgraphNodeType` is `repr(u32)`, so a u32 slot has
+    // its layout and reading it as u32 is defined whatever value the driver writes.
+    check("cuGraphNodeGetType", unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) })?;
+    Ok(ty)
+}
+
+/// The kernel nodes' function names of a live graph, in node order (empty when the driver
+/// does not list the nodes).
+fn graph_kernel_names(graph: cu::CUgraph) -> Vec<String> {
+    const KERNEL: u32 = cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32;
+    graph_nodes(graph)
+        .unwrap_or_default()
         .into_iter()
-        .filter(|&node| {
-            let mut ty: u32 = u32::MAX;
-            // SAFETY: `node` belongs to the live graph; `CUgraphNodeType` is `repr(u32)`, so a
-            // u32 slot has its layout whatever value the driver writes.
-            let ok = unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) };
-            ok == cu::CUresult::CUDA_SUCCESS && ty == cu::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL as u32
-        })
+        .filter(|&node| node_type(node).is_ok_and(|t| t == KERNEL))
         .map(kernel_name)
         .collect()
 }
@@ -281,26 +291,11 @@ fn is_host(mem_type: u32, ptr: cu::CUdeviceptr) -> bool {
 
 /// Lists the graph's nodes and what a replayable decode graph must not contain.
 fn inspect(graph: cu::CUgraph) -> Result<Summary> {
-    let mut n: usize = 0;
-    // SAFETY: `graph` is a live graph; a null node array asks for the count only.
-    check("cuGraphGetNodes", unsafe { cu::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
-    if n == 0 {
-        // An empty capture: nothing to inspect (the driver rejects a second call with an empty
-        // array, so don't make one).
-        return Ok(Summary::default());
-    }
-    let mut nodes: Vec<cu::CUgraphNode> = vec![std::ptr::null_mut(); n];
-    let mut got = n;
-    // SAFETY: `nodes` has room for `got` handles.
-    check("cuGraphGetNodes", unsafe { cu::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut got) })?;
-    nodes.truncate(got.min(n));
+    let nodes = graph_nodes(graph)?;
     let mut s = Summary { nodes: nodes.len(), ..Default::default() };
     use cu::CUgraphNodeType::*;
     for (i, &node) in nodes.iter().enumerate() {
-        let mut ty: u32 = u32::MAX;
-        // SAFETY: `node` belongs to the live graph; `CUgraphNodeType` is `repr(u32)`, so a u32
-        // slot has its layout and reading it as u32 is defined whatever value the driver writes.
-        check("cuGraphNodeGetType", unsafe { cu::cuGraphNodeGetType(node, (&mut ty as *mut u32).cast()) })?;
+        let ty = node_type(node)?;
         if ty == CU_GRAPH_NODE_TYPE_KERNEL as u32 {
             s.kernels += 1;
         } else if ty == CU_GRAPH_NODE_TYPE_MEMCPY as u32 {

@@ -9,7 +9,8 @@ use crate::spec::{DType, Fusion};
 use cudarc::cublas::{result as blas_result, sys as blas_sys, CudaBlas};
 use cudarc::driver::sys as cu;
 use cudarc::driver::{
-    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, DriverError, LaunchConfig,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaStream, CudaViewMut, DevicePtr, DeviceRepr, DriverError,
+    LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 use std::cell::{Cell, RefCell};
@@ -568,11 +569,6 @@ impl Kernels {
     /// `Some(r)` (`r == 0` resets every table first; at most `timeline::REPLAYS` replays between
     /// two reads) or not at all (`None`), in stream order, up to the next call.
     pub(crate) fn timeline_set(&self, replay: Option<u32>) -> Result<()> {
-        let missing = || {
-            Error::InvalidArgument(
-                "the kernels are not the timeline build (build the PTX with `cargo xtask ptx --timeline`)".into(),
-            )
-        };
         let flag = match replay {
             Some(r) if r as usize >= crate::timeline::REPLAYS => {
                 return Err(Error::InvalidArgument(format!(
@@ -585,15 +581,25 @@ impl Kernels {
         };
         for m in &self.modules {
             if replay == Some(0) {
-                let mut t = m.get_global("ferrum_tl", &self.stream).map_err(|_| missing())?;
+                let mut t = self.timeline_global(m, "ferrum_tl")?;
                 let ones = vec![0xffu8; t.len()];
                 self.stream.memcpy_htod(&ones, &mut t).map_err(Error::driver("resetting the timeline table"))?;
             }
-            let mut f = m.get_global("ferrum_tl_on", &self.stream).map_err(|_| missing())?;
+            let mut f = self.timeline_global(m, "ferrum_tl_on")?;
             let bytes = flag.to_le_bytes();
             self.stream.memcpy_htod(&bytes[..f.len().min(4)], &mut f).map_err(Error::driver("the timeline flag"))?;
         }
         Ok(())
+    }
+
+    /// A timeline build's module global (`ferrum_tl` or `ferrum_tl_on`); an `InvalidArgument`
+    /// error naming the build to make when the kernels are the plain ones.
+    fn timeline_global<'a>(&'a self, m: &'a Arc<CudaModule>, name: &str) -> Result<CudaViewMut<'a, u8>> {
+        m.get_global(name, &self.stream).map_err(|_| {
+            Error::InvalidArgument(
+                "the kernels are not the timeline build (build the PTX with `cargo xtask ptx --timeline`)".into(),
+            )
+        })
     }
 
     /// Timeline build: the stamps of every module, per replay row, each row sorted by grid id
@@ -601,9 +607,7 @@ impl Kernels {
     pub(crate) fn timeline_read(&self) -> Result<Vec<Vec<crate::timeline::GridStamp>>> {
         let mut rows: Vec<Vec<crate::timeline::GridStamp>> = Vec::new();
         for m in &self.modules {
-            let t = m
-                .get_global("ferrum_tl", &self.stream)
-                .map_err(|_| Error::InvalidArgument("the kernels are not the timeline build".into()))?;
+            let t = self.timeline_global(m, "ferrum_tl")?;
             let bytes = self.stream.clone_dtoh(&t).map_err(Error::driver("reading the timeline table"))?;
             for (i, r) in crate::timeline::parse_table(&bytes).into_iter().enumerate() {
                 if rows.len() <= i {
