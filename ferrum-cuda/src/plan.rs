@@ -54,6 +54,37 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
     ks
 }
 
+/// The most outputs one multiprocessor computes when a GEMV of `outputs` outputs is launched as
+/// `blocks` blocks of `per_block` outputs each on `sms` multiprocessors (blocks spread evenly:
+/// some multiprocessors get `ceil(blocks / sms)`). The start-up tuning times only the launch
+/// variants with the least of it ([`gemv_balanced`]): a GEMV of about one wave or less lasts as
+/// long as its busiest multiprocessor, a cost that timing one GEMV alone cannot see. Measured
+/// on one H200 (session 22, call 8; the start-up choices of twelve processes logged): the
+/// SmolLM2-135M down projection (576 × 1536, split 4 ways) as 144 blocks of 8 warps (two rows
+/// a warp: 4 outputs a block, up to 8 on a multiprocessor) or as 288 blocks of 4 warps (up to
+/// 6) timed 1.879 against 1.876 µs alone, so the tuning picked either; the processes that got
+/// the 288 blocks ran 2485–2495 tok/s, the others 2330–2333 (the bimodality seen since
+/// session 15), and one that gave its qkv projection 4 rows a warp (60 blocks of 16 outputs)
+/// 2417.
+pub fn gemv_sm_load(blocks: usize, per_block: usize, sms: usize) -> usize {
+    blocks.div_ceil(sms.max(1)) * per_block
+}
+
+/// Which of the candidates `(blocks, outputs per block)` the start-up tuning times: those whose
+/// [`gemv_sm_load`] is within [`GEMV_BALANCE_SLACK_PCT`] of the least (at least one, in their
+/// order).
+pub fn gemv_balanced(candidates: &[(usize, usize)], sms: usize) -> Vec<bool> {
+    let load = |&(b, p): &(usize, usize)| gemv_sm_load(b, p, sms);
+    let least = candidates.iter().map(load).min().unwrap_or(0);
+    candidates.iter().map(|c| load(c) * 100 <= least * (100 + GEMV_BALANCE_SLACK_PCT)).collect()
+}
+
+/// How much more than the least busiest-multiprocessor load ([`gemv_sm_load`]) a GEMV variant
+/// may have and still be timed: the rounding of many-wave grids (Llama-3-8B's LM head: 992
+/// outputs on the busiest multiprocessor as 4008 blocks of 32, 976 as 8016 of 16) is not the
+/// one-wave imbalance this guards against (SmolLM2-135M's down projection: 8 against 6).
+pub const GEMV_BALANCE_SLACK_PCT: usize = 10;
+
 /// Most KV splits of the decode attention.
 pub const MAX_SPLITS: usize = 64;
 /// Target cache rows per split of the row-walking decode attention for long caches (above
@@ -527,6 +558,30 @@ mod tests {
         assert!(!attn_tensor_core(64, 6, 4, 8192, m)); // not a whole group
         assert!(!attn_tensor_core(64, 4, 0, 8192, m));
         assert!(!attn_tensor_core(128, 32, 8, 1 << 20, usize::MAX)); // the knob's "never"
+    }
+
+    #[test]
+    fn gemv_tuning_keeps_the_balanced_launches() {
+        // The 135M down projection on 132 multiprocessors: 144 blocks of 4 outputs load a
+        // multiprocessor with up to 8, 288 blocks of 2 with up to 6, 4-row warps up to 8.
+        assert_eq!(gemv_sm_load(144, 4, H200_SMS), 8);
+        assert_eq!(gemv_sm_load(288, 2, H200_SMS), 6);
+        assert_eq!(gemv_balanced(&[(144, 4), (288, 2), (72, 8), (144, 4)], H200_SMS), [false, true, false, false]);
+        // Many waves: every variant loads the multiprocessors alike, so all are timed (the
+        // Llama-3-8B gate|up: 14336 outputs).
+        let gu = [(1792, 8), (3584, 4), (896, 16), (1792, 8)];
+        assert_eq!(gemv_balanced(&gu, H200_SMS), [true; 4]);
+        // Its LM head: 4008 blocks of 32 load the busiest multiprocessor with 992 outputs,
+        // within the slack of the others' 976.
+        let head = [(8016, 16), (16032, 8), (4008, 32), (8016, 16)];
+        assert_eq!(head.map(|(b, p)| gemv_sm_load(b, p, H200_SMS)), [976, 976, 992, 976]);
+        assert_eq!(gemv_balanced(&head, H200_SMS), [true; 4]);
+        // Past the slack: 111% of the least is out, 110% in.
+        assert_eq!(gemv_balanced(&[(132, 100), (132, 110), (132, 111)], H200_SMS), [true, true, false]);
+        // One candidate, or none.
+        assert_eq!(gemv_balanced(&[(1, 1)], H200_SMS), [true]);
+        assert!(gemv_balanced(&[], H200_SMS).is_empty());
+        assert_eq!(gemv_sm_load(5, 3, 0), 15);
     }
 
     #[test]

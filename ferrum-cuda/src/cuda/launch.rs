@@ -380,8 +380,9 @@ pub(crate) enum GemvIo<'a> {
 /// factor `ks` (warps sharing one row group, each over its own column stripes; see gemv.cu).
 /// For one `ks`, every variant computes each dot product in the same order, so all give
 /// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k_for` (the target of
-/// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`), and the runner times the
-/// rest per shape at start-up and keeps the fastest.
+/// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`), and the runner times, per
+/// shape at start-up, the variants that load the busiest multiprocessor least
+/// (`plan::gemv_balanced`) and keeps the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct GemvVariant {
     pub(crate) rows4: bool,
@@ -416,6 +417,17 @@ impl GemvVariant {
     /// `32 / lanes` groups per warp.
     fn grid_lanes(self, outputs: usize, lanes: u32) -> Result<u32> {
         grid1(outputs.div_ceil(2 * (32 / lanes as usize) * self.groups()))
+    }
+    /// `(blocks, outputs per block)` of this variant's launch over `outputs` outputs, as
+    /// `Kernels::gemv_as` / `gemv_gateup_io` launch it (`lanes` < 32: the short-row grid).
+    pub(crate) fn blocks(self, outputs: usize, gateup: bool, lanes: u32) -> Result<(usize, usize)> {
+        let per_block = if lanes < 32 {
+            2 * (32 / lanes as usize) * self.groups()
+        } else {
+            self.outputs_per_warp(gateup) * self.groups()
+        };
+        let grid = if lanes < 32 { self.grid_lanes(outputs, lanes)? } else { self.grid(outputs, gateup)? };
+        Ok((grid as usize, per_block))
     }
     /// Block shape: `(32 * groups, ks)`.
     fn block_dim(self) -> (u32, u32, u32) {

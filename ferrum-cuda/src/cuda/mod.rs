@@ -1447,9 +1447,17 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
             continue;
         }
         let ks = ks_of(rows, cols, gateup);
+        // Only the variants that load the busiest multiprocessor least are timed
+        // (plan::gemv_balanced says why); the lane count is the launch's (gemv_as).
+        let lanes = if gateup { 32 } else { crate::plan::gemv_lanes_per_row(rows, cols, ks, k.gemv_lanes) };
+        let launches = GEMV_VARIANTS
+            .iter()
+            .map(|v| GemvVariant { ks, ..*v }.blocks(rows, gateup, lanes))
+            .collect::<Result<Vec<_>>>()?;
+        let balanced = crate::plan::gemv_balanced(&launches, sms);
         let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
-        for v in GEMV_VARIANTS {
-            let v = GemvVariant { ks, ..v };
+        for (v, _) in GEMV_VARIANTS.iter().zip(&balanced).filter(|(_, b)| **b) {
+            let v = GemvVariant { ks, ..*v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(TUNE_CHAINS);
             // The chain as one graph, so that its launches are all queued on the device when
