@@ -57,8 +57,9 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
 /// The most outputs one multiprocessor computes when a GEMV of `outputs` outputs is launched as
 /// `blocks` blocks of `per_block` outputs each on `sms` multiprocessors (blocks spread evenly:
 /// some multiprocessors get `ceil(blocks / sms)`). The start-up tuning times only the launch
-/// variants with the least of it ([`gemv_balanced`]): a GEMV of about one wave or less lasts as
-/// long as its busiest multiprocessor, a cost that timing one GEMV alone cannot see. Measured
+/// variants with the least of it, or within [`GEMV_BALANCE_SLACK_PCT`] of it
+/// ([`gemv_balanced`]): a GEMV of about one wave or less lasts as long as its busiest
+/// multiprocessor, a cost that timing one GEMV alone cannot see. Measured
 /// on one H200 (session 22, call 8; the start-up choices of twelve processes logged): the
 /// SmolLM2-135M down projection (576 × 1536, split 4 ways) as 144 blocks of 8 warps (two rows
 /// a warp: 4 outputs a block, up to 8 on a multiprocessor) or as 288 blocks of 4 warps (up to

@@ -381,8 +381,8 @@ pub(crate) enum GemvIo<'a> {
 /// For one `ks`, every variant computes each dot product in the same order, so all give
 /// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k_for` (the target of
 /// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`), and the runner times, per
-/// shape at start-up, the variants that load the busiest multiprocessor least
-/// (`plan::gemv_balanced`) and keeps the fastest.
+/// shape at start-up, the variants whose busiest multiprocessor has the least work or within
+/// `plan::GEMV_BALANCE_SLACK_PCT` of it (`plan::gemv_balanced`) and keeps the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct GemvVariant {
     pub(crate) rows4: bool,
@@ -410,24 +410,28 @@ impl GemvVariant {
     fn groups(self) -> usize {
         (self.block / 32 / self.ks.max(1)).max(1) as usize
     }
-    fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
-        grid1(outputs.div_ceil(self.outputs_per_warp(gateup) * self.groups()))
+    /// Outputs one block computes: `outputs_per_warp` per row group with 32 lanes; with the
+    /// short-row kernels (`lanes` < 32 lanes per two-row group, plain or `_norm` only, so never
+    /// with `gateup`; `ks == 1`), `32 / lanes` two-row groups per warp.
+    fn per_block(self, gateup: bool, lanes: u32) -> usize {
+        let per_group = if lanes < 32 { 2 * (32 / lanes as usize) } else { self.outputs_per_warp(gateup) };
+        per_group * self.groups()
     }
-    /// The grid of the short-row kernels (`lanes` < 32 lanes per two-row group, `ks == 1`):
-    /// `32 / lanes` groups per warp.
+    fn grid(self, outputs: usize, gateup: bool) -> Result<u32> {
+        grid1(outputs.div_ceil(self.per_block(gateup, 32)))
+    }
+    /// The grid of the short-row kernels (`lanes` < 32 lanes per two-row group, `ks == 1`).
     fn grid_lanes(self, outputs: usize, lanes: u32) -> Result<u32> {
-        grid1(outputs.div_ceil(2 * (32 / lanes as usize) * self.groups()))
+        grid1(outputs.div_ceil(self.per_block(false, lanes)))
     }
     /// `(blocks, outputs per block)` of this variant's launch over `outputs` outputs, as
-    /// `Kernels::gemv_as` / `gemv_gateup_io` launch it (`lanes` < 32: the short-row grid).
+    /// `Kernels::gemv_as` / `gemv_gateup_io` / `gemv_push` launch it (`lanes` < 32: the
+    /// short-row grid, which `gemv_as` takes for plain and `_norm` GEMVs only; the start-up
+    /// tuning passes `plan::gemv_lanes_per_row`'s count, which is 32 for every shape a `_res`
+    /// or `_push` GEMV has).
     pub(crate) fn blocks(self, outputs: usize, gateup: bool, lanes: u32) -> Result<(usize, usize)> {
-        let per_block = if lanes < 32 {
-            2 * (32 / lanes as usize) * self.groups()
-        } else {
-            self.outputs_per_warp(gateup) * self.groups()
-        };
         let grid = if lanes < 32 { self.grid_lanes(outputs, lanes)? } else { self.grid(outputs, gateup)? };
-        Ok((grid as usize, per_block))
+        Ok((grid as usize, self.per_block(gateup, lanes)))
     }
     /// Block shape: `(32 * groups, ks)`.
     fn block_dim(self) -> (u32, u32, u32) {

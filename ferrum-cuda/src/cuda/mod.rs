@@ -1377,7 +1377,9 @@ const TUNE_HEAD_CHAIN: usize = 3;
 /// Timed chains per variant in [`tune_gemv`] (after one untimed warm-up chain); the median counts.
 const TUNE_CHAINS: usize = 5;
 
-/// Times every GEMV variant on each decode projection shape and keeps the fastest per shape.
+/// Times the GEMV variants on each decode projection shape and keeps the fastest per shape:
+/// the variants whose busiest multiprocessor has the least work, or within
+/// `plan::GEMV_BALANCE_SLACK_PCT` of it (`plan::gemv_balanced`; the others are never timed).
 /// All variants give bit-identical results, so this changes speed only.
 ///
 /// A variant's time is the median of [`TUNE_CHAINS`] chains of launches with a zero input:
