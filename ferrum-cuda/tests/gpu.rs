@@ -914,13 +914,17 @@ fn split_k_gemv_matches_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// Every GEMV launch variant (2 or 4 rows a warp, 128 or 256 threads a block) gives the same
-/// bits at every split-K factor: each variant forced in turn (`force_gemv_variant`,
-/// `plan::GEMV_VARIANT_COUNT` of them) must give the same logits bits over a prefill and 12
-/// decode steps. The models cover split-K 1, 2, 4 and 8 (the `/kN` choices are asserted), rows
+/// Every GEMV launch variant (2 or 4 rows a warp, 128 or 256 threads a block; at split-K 8 both
+/// block sizes are one row group of 8 warps) gives the same bits at every split-K factor: each
+/// variant forced in turn (`force_gemv_variant`, `plan::GEMV_VARIANT_COUNT` of them) must give
+/// the same logits bits over a prefill and 12 decode steps. Each model's split-K factors on an
+/// H200 (`plan::gemv_split_k`, 132 multiprocessors) are asserted: "wide" 2 (qkv, o, gate|up, LM
+/// head) and 4 (down), "wide-mlp" 1 (gate|up), 2 and 8 (down), "odd" 1 and 4 (down), "wide4" 4
+/// for every projection (the `_norm` qkv and gate|up kernels at 4, as Llama-3.2-1B's qkv); rows
 /// of 256 to 8192 columns (2600: no multiple of a warp's 256-column stripe), row counts that
-/// are no multiple of a 4-row warp (vocabularies 1001 and 999), the fused
-/// (`_norm`, `_res`, gate|up with the norm) and unfused (plain, gate|up) kernels, both dtypes.
+/// are no multiple of a 4-row warp (vocabularies 1001 and 999), the fused (`_norm`, `_res`,
+/// gate|up with the norm) and unfused (plain, gate|up) kernels, both dtypes. On a GPU with
+/// another multiprocessor count the splits differ and the split assertion says so.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemv_variants_are_bit_identical_at_every_split() {
@@ -939,9 +943,10 @@ fn gemv_variants_are_bit_identical_at_every_split() {
     };
     let deep = Arch { name: "wide-mlp", bias: false, inter: 8192, layers: 1, ..wide };
     let odd = Arch { name: "odd", head_dim: 64, hidden: 256, inter: 2600, vocab: 999, tied: true, ..LLAMA };
+    let wide4 = Arch { name: "wide4", heads: 16, hidden: 1024, inter: 1024, layers: 1, ..wide };
     let mut failures = Vec::new();
-    let mut ks_seen = std::collections::BTreeSet::new();
-    for a in [wide, deep, odd] {
+    for (a, splits) in [(wide, vec!["2", "4"]), (deep, vec!["1", "2", "8"]), (odd, vec!["1", "4"]), (wide4, vec!["4"])]
+    {
         for dtype in [DType::BF16, DType::F16] {
             for fusion in [Fusion::ALL, Fusion::NONE] {
                 let (s, _, mut r) = build(a, dtype, 5);
@@ -949,16 +954,14 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                 let mut rng = Rng(17);
                 let toks: Vec<u32> = (0..24).map(|_| rng.below(s.vocab)).collect();
                 let mut want: Option<Vec<Vec<u32>>> = None;
-                let mut four = 0;
                 for v in 0..plan::GEMV_VARIANT_COUNT {
                     r.force_gemv_variant(v);
                     let choices = r.gemv_choices();
-                    four += choices.iter().filter(|c| c.3.starts_with("4x")).count();
-                    for c in &choices {
-                        if let Some(k) = c.3.split("/k").nth(1) {
-                            ks_seen.insert(k.split('/').next().unwrap_or("").to_string());
-                        }
-                    }
+                    // "{rows}x{block}/k{ks}[/l{lanes}]" per shape.
+                    let ks: std::collections::BTreeSet<&str> =
+                        choices.iter().filter_map(|c| c.3.split("/k").nth(1)?.split('/').next()).collect();
+                    let want_ks: std::collections::BTreeSet<&str> = splits.iter().copied().collect();
+                    assert_eq!(ks, want_ks, "{}: split-K factors {choices:?}", a.name);
                     let id = 100 + v as u64;
                     r.init_sequence(id, toks.len() + 16).unwrap();
                     r.prefill(id, &toks).unwrap();
@@ -985,14 +988,15 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                         Some(_) => {}
                     }
                 }
-                println!("VARIANTS {} {} norms={}: {four} 4-row launches checked", a.name, dtype.name(), fusion.norms);
-                assert!(four > 0, "{}: no shape took the 4-row kernel", a.name);
+                println!(
+                    "VARIANTS {} {} norms={}: {} variants alike at split-K {splits:?}",
+                    a.name,
+                    dtype.name(),
+                    fusion.norms,
+                    plan::GEMV_VARIANT_COUNT
+                );
             }
         }
-    }
-    println!("VARIANTS split-K factors seen: {ks_seen:?}");
-    for k in ["1", "2", "4", "8"] {
-        assert!(ks_seen.contains(k), "split-K {k} not covered: {ks_seen:?}");
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }

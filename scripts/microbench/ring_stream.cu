@@ -20,7 +20,8 @@
 // - ring+gv: GEMV-like: an 8 KiB slot is two rows' 2048-column stripe of a 4096-column matrix,
 //         each lane's 16 weight chunks loaded from the slot at once, x from shared memory, two
 //         accumulators of 8 sequential fmaf a chunk (the ring GEMV's arithmetic).
-// Results (H200, session 23): docs/bench/2026-12-01-session23/ and docs/PERF.md.
+// Results (H200, session 23): docs/bench/2026-12-01-session23/ring-stream.txt (this version
+// printed its call-4b lines; calls 3 and 4 ran earlier versions) and docs/PERF.md.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -119,8 +120,9 @@ __global__ void __launch_bounds__(512) ring_stream(const uint4 *w, size_t n16, f
             : "memory");
         const uint4 *sl = mine + s * per_slot;
         if (MODE == 3) {
-            // Slot = rows 2i, 2i + 1 of a 4096-column matrix, columns (i % 2) * 2048 ..: 256 chunks a
-            // row, 8 a lane; both rows share each x chunk; 8 sequential fmaf a row and chunk.
+            // Slot i read as a two-row tile of a 4096-column matrix: rows 2 floor(i / 2) and the
+            // next, columns (i % 2) * 2048 ..: 256 chunks a row, 8 a lane; both rows share each x
+            // chunk; 8 sequential fmaf a row and chunk.
             const int c0 = (i & 1) * 256;
             float a0 = 0.0f, a1 = 0.0f;
             uint4 w0[8], w1[8];
@@ -176,6 +178,10 @@ __global__ void __launch_bounds__(512) ring_stream(const uint4 *w, size_t n16, f
                     acc += sum8(sl[c]);
             }
         }
+        // The lanes' reads of the slot have returned (their values are in registers) before
+        // __syncwarp. No fence.proxy.async orders them before the refill's async-proxy writes,
+        // which the PTX memory model asks for: a measurement shortcut (the data is constant and
+        // never checked); ferrum's kernels would need it.
         __syncwarp();
         if (lane == 0 && i + depth < total) issue(i + depth);
     }
