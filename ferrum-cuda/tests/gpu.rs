@@ -55,6 +55,21 @@ const LLAMA: Arch = Arch {
     layers: 2,
     vocab: 1000,
 };
+/// A model wide enough that every projection splits (hidden 512: two stripes of 256 columns;
+/// intermediate 2048: down split 4 ways): the split-K tests' base.
+const WIDE: Arch = Arch {
+    name: "wide",
+    bias: true,
+    qk_norm: false,
+    tied: false,
+    head_dim: 64,
+    heads: 8,
+    kv_heads: 4,
+    hidden: 512,
+    inter: 2048,
+    layers: 2,
+    vocab: 1000,
+};
 const MISTRAL: Arch = Arch {
     name: "mistral",
     bias: false,
@@ -315,6 +330,11 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
         return f64::INFINITY;
     }
     r
+}
+
+/// The bit patterns of logits, for bit-identity checks (NaNs compare by pattern too).
+fn logit_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
 }
 
 fn tol(d: DType) -> f64 {
@@ -776,7 +796,7 @@ fn attention_every_head_dim() {
                     }
                     runs.push(logits);
                 }
-                let bits = |v: &Vec<Vec<f32>>| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let bits = |v: &Vec<Vec<f32>>| v.iter().flat_map(|l| logit_bits(l)).collect::<Vec<_>>();
                 for (run, what) in runs[1..].iter().zip(["unfused RoPE", "ticket merge", "combine merge"]) {
                     if bits(&runs[0]) != bits(run) {
                         failures.push(format!("hd {hd} {dtype:?} cap {cap} splits {splits}: {what} not bit-identical"));
@@ -862,8 +882,7 @@ fn attention_head_dim_kernels_are_bit_identical() {
                         }
                         runs.push(logits.concat());
                     }
-                    let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    if bits(&runs[0]) != bits(&runs[1]) {
+                    if logit_bits(&runs[0]) != logit_bits(&runs[1]) {
                         failures.push(format!("hd {hd} {dtype:?} prompt {prompt} splits {splits}: not bit-identical"));
                     }
                 }
@@ -882,19 +901,7 @@ fn attention_head_dim_kernels_are_bit_identical() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn split_k_gemv_matches_reference() {
-    let wide = Arch {
-        name: "wide",
-        bias: true,
-        qk_norm: false,
-        tied: false,
-        head_dim: 64,
-        heads: 8,
-        kv_heads: 4,
-        hidden: 512,
-        inter: 2048,
-        layers: 2,
-        vocab: 1000,
-    };
+    let wide = WIDE;
     let deep = Arch { name: "wide-mlp", bias: false, inter: 8192, layers: 1, ..wide };
     let mut failures = Vec::new();
     for (a, want) in [(wide, ["/k2", "/k4"]), (deep, ["/k2", "/k8"])] {
@@ -928,19 +935,7 @@ fn split_k_gemv_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemv_variants_are_bit_identical_at_every_split() {
-    let wide = Arch {
-        name: "wide",
-        bias: true,
-        qk_norm: false,
-        tied: false,
-        head_dim: 64,
-        heads: 8,
-        kv_heads: 4,
-        hidden: 512,
-        inter: 2048,
-        layers: 2,
-        vocab: 1001,
-    };
+    let wide = Arch { vocab: 1001, ..WIDE };
     let deep = Arch { name: "wide-mlp", bias: false, inter: 8192, layers: 1, ..wide };
     let odd = Arch { name: "odd", head_dim: 64, hidden: 256, inter: 2600, vocab: 999, tied: true, ..LLAMA };
     let wide4 = Arch { name: "wide4", heads: 16, hidden: 1024, inter: 1024, layers: 1, ..wide };
@@ -954,13 +949,13 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                 let mut rng = Rng(17);
                 let toks: Vec<u32> = (0..24).map(|_| rng.below(s.vocab)).collect();
                 let mut want: Option<Vec<Vec<u32>>> = None;
+                let want_ks: std::collections::BTreeSet<&str> = splits.iter().copied().collect();
                 for v in 0..plan::GEMV_VARIANT_COUNT {
                     r.force_gemv_variant(v);
                     let choices = r.gemv_choices();
                     // "{rows}x{block}/k{ks}[/l{lanes}]" per shape.
                     let ks: std::collections::BTreeSet<&str> =
                         choices.iter().filter_map(|c| c.3.split("/k").nth(1)?.split('/').next()).collect();
-                    let want_ks: std::collections::BTreeSet<&str> = splits.iter().copied().collect();
                     assert_eq!(ks, want_ks, "{}: split-K factors {choices:?}", a.name);
                     let id = 100 + v as u64;
                     r.init_sequence(id, toks.len() + 16).unwrap();
@@ -970,12 +965,12 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                     let mut next = toks[toks.len() - 1];
                     for i in 0..12 {
                         r.logits_to_host(&mut got).unwrap();
-                        all.push(got.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+                        all.push(logit_bits(&got));
                         next = (next * 7 + 3 + i as u32) % s.vocab as u32;
                         r.decode_step(id, next, toks.len() + i).unwrap();
                     }
                     r.logits_to_host(&mut got).unwrap();
-                    all.push(got.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
+                    all.push(logit_bits(&got));
                     r.release(id).unwrap();
                     match &want {
                         None => want = Some(all),
