@@ -83,8 +83,13 @@ pub fn gemv_balanced(candidates: &[(usize, usize)], sms: usize) -> Vec<bool> {
 /// How much more than the least busiest-multiprocessor load ([`gemv_sm_load`]) a GEMV variant
 /// may have and still be timed: the rounding of many-wave grids (Llama-3-8B's LM head: 992
 /// outputs on the busiest multiprocessor as 4008 blocks of 32, 976 as 8016 of 16) is not the
-/// one-wave imbalance this guards against (SmolLM2-135M's down projection: 8 against 6).
-pub const GEMV_BALANCE_SLACK_PCT: usize = 10;
+/// one-wave imbalance this guards against (SmolLM2-135M's down projection: 8 against 6, 33%
+/// over). Was 10 (session 22), which also kept 4-row warps of 8-warp blocks from the Llama-3-8B
+/// TP2 gate|up shard (7168 outputs: 448 blocks of 16, up to 64 on a multiprocessor, against 56
+/// for the others, 14% over); measured on two H200 (session 24, call 2; the start-up timing
+/// alone gave them 29.8 µs against 31.0 for the 2-row warps the rule left): TP2 ran 411 / 411
+/// tok/s with the rule at 10 against 423 / 424 with the session-21 build, which picked them.
+pub const GEMV_BALANCE_SLACK_PCT: usize = 20;
 
 /// Most KV splits of the decode attention.
 pub const MAX_SPLITS: usize = 64;
@@ -577,8 +582,13 @@ mod tests {
         let head = [(8016, 16), (16032, 8), (4008, 32), (8016, 16)];
         assert_eq!(head.map(|(b, p)| gemv_sm_load(b, p, H200_SMS)), [976, 976, 992, 976]);
         assert_eq!(gemv_balanced(&head, H200_SMS), [true; 4]);
-        // Past the slack: 111% of the least is out, 110% in.
-        assert_eq!(gemv_balanced(&[(132, 100), (132, 110), (132, 111)], H200_SMS), [true, true, false]);
+        // The Llama-3-8B TP2 gate|up shard (7168 outputs): the 4-row warps of 8-warp blocks
+        // load up to 64, the others 56 (14% over): within the slack, so all are timed.
+        let gu2 = [(896, 8), (1792, 4), (448, 16), (896, 8)];
+        assert_eq!(gu2.map(|(b, p)| gemv_sm_load(b, p, H200_SMS)), [56, 56, 64, 56]);
+        assert_eq!(gemv_balanced(&gu2, H200_SMS), [true; 4]);
+        // Past the slack: 121% of the least is out, 120% in.
+        assert_eq!(gemv_balanced(&[(132, 100), (132, 120), (132, 121)], H200_SMS), [true, true, false]);
         // One candidate, or none.
         assert_eq!(gemv_balanced(&[(1, 1)], H200_SMS), [true]);
         assert!(gemv_balanced(&[], H200_SMS).is_empty());

@@ -160,6 +160,17 @@ impl StepTimeline {
     }
 }
 
+/// Whether a graph's kernel node named `name` stamps in the timeline build, so that
+/// [`step_timeline`] maps it: ferrum's kernels (`ferrum_*`) launched from the CUDA runner's
+/// modules, whose tables the runner reads. Not the nodes of other libraries (NCCL, cuBLAS), and
+/// not the peer group's one-shot all-reduce (`ferrum_peer_all_reduce_*`: the TP vocab split's
+/// exchange of each rank's best logit), which `peer` launches from a module of its own, loaded
+/// from the compute_80 PTX without the programmatic-launch wait the stamp sits in (and whose
+/// table nobody reads). The peer add + RMSNorm kernels come from the runner's modules and stamp.
+pub fn stamps(name: &str) -> bool {
+    name.starts_with("ferrum_") && !name.starts_with("ferrum_peer_all_reduce_")
+}
+
 /// Maps each replay row's stamps (sorted by grid id: launch order) onto the graph's kernel
 /// nodes `names` by position, when the row has exactly one stamp per node; other nonempty rows
 /// count as `unmapped`. A kernel's duration is the next node's earliest release minus its own
@@ -242,6 +253,21 @@ pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_runner_modules_kernels_stamp() {
+        for n in ["ferrum_gemv4_push_bf16", "ferrum_peer_add_rmsnorm_pushed_bf16", "ferrum_argmax_pick"] {
+            assert!(stamps(n), "{n}");
+        }
+        for n in [
+            "ferrum_peer_all_reduce_f32",
+            "ferrum_peer_all_reduce_bf16",
+            "ncclDevKernel_AllReduce_Sum_f32",
+            "sm90_xmma_gemm",
+        ] {
+            assert!(!stamps(n), "{n}");
+        }
+    }
 
     fn slot(grid: u64, first: u64, last: u64, blocks: u32) -> [u8; SLOT_BYTES] {
         let mut s = [0u8; SLOT_BYTES];

@@ -277,11 +277,12 @@ impl CudaRank {
             // replay row (stream-ordered flag copies between the replays).
             let record = self.timeline_steps.min(n).min(ferrum_cuda::timeline::REPLAYS);
             self.timeline_steps -= record;
-            // Only ferrum's kernels stamp: the nodes of other libraries (NCCL's collectives, cuBLAS)
-            // are left out of the mapping, and the ferrum kernel before one of them is charged
-            // its time up to the next ferrum kernel.
+            // Only the runner modules' kernels stamp (`timeline::stamps`): the other nodes (NCCL's
+            // collectives, cuBLAS, the peer group's own all-reduce at the TP vocab split) are left
+            // out of the mapping, and the kernel before one of them is charged its time up to the
+            // next stamping kernel.
             let names: Option<Vec<String>> = (record > 0)
-                .then(|| graph.kernel_names().iter().filter(|n| n.starts_with("ferrum_")).cloned().collect());
+                .then(|| graph.kernel_names().iter().filter(|n| ferrum_cuda::timeline::stamps(n)).cloned().collect());
             let runner = &self.runner;
             let mark = |i: usize| -> Result<()> {
                 if i < record {
