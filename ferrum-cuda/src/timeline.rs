@@ -117,6 +117,10 @@ pub struct StepTimeline {
     /// Replay rows with stamps that could not be mapped (not one stamp per kernel node): a
     /// kernel without the stamp, or two nodes in one slot. Nonzero: those replays are left out.
     pub unmapped: usize,
+    /// The first unmapped row's `(stamps, kernel nodes)`, to say why nothing mapped (more
+    /// stamps than nodes: a kernel the names leave out stamps; fewer: a named kernel does not
+    /// stamp, see [`stamps`], or two nodes share a slot).
+    pub first_unmapped: Option<(usize, usize)>,
     /// Consecutive kernels whose releases run backwards in a mapped replay (nonzero: the grid
     /// order is not the node order, and the figures are not trustworthy).
     pub out_of_order: usize,
@@ -152,6 +156,7 @@ impl StepTimeline {
         self.replays += o.replays;
         self.span_sum_ns += o.span_sum_ns;
         self.unmapped += o.unmapped;
+        self.first_unmapped = self.first_unmapped.or(o.first_unmapped);
         self.out_of_order += o.out_of_order;
         if self.first_grids.is_empty() {
             self.first_grids = o.first_grids.clone();
@@ -168,8 +173,14 @@ impl StepTimeline {
 /// from the compute_80 PTX without the programmatic-launch wait the stamp sits in (and whose
 /// table nobody reads). The peer add + RMSNorm kernels come from the runner's modules and stamp.
 pub fn stamps(name: &str) -> bool {
-    name.starts_with("ferrum_") && !name.starts_with("ferrum_peer_all_reduce_")
+    name.starts_with("ferrum_") && !PEER_GROUP_KERNELS.iter().any(|k| k.name() == name)
 }
+
+/// The kernels that the peer group launches from its own module of the compute_80 PTX (its
+/// one-shot all-reduce per element type, in `PeerElement::INDEX` order; `peer` checks the two
+/// agree at compile time). They never stamp.
+pub const PEER_GROUP_KERNELS: [crate::Kernel; 3] =
+    [crate::Kernel::PeerAllReduceF32, crate::Kernel::PeerAllReduceF16, crate::Kernel::PeerAllReduceBf16];
 
 /// Maps each replay row's stamps (sorted by grid id: launch order) onto the graph's kernel
 /// nodes `names` by position, when the row has exactly one stamp per node; other nonempty rows
@@ -184,6 +195,7 @@ pub fn step_timeline(rows: &[Vec<GridStamp>], names: &[String]) -> StepTimeline 
     for row in rows.iter().filter(|r| !r.is_empty()) {
         if row.len() != k {
             t.unmapped += 1;
+            t.first_unmapped = t.first_unmapped.or(Some((row.len(), k)));
             continue;
         }
         if t.first_grids.is_empty() {
@@ -229,8 +241,11 @@ pub fn layer_period(names: &[String]) -> Option<(usize, usize)> {
 
 /// The mean cost of each position of the repeating layer over the middle layers (every layer
 /// but the first and the last, whose neighbours differ), as `(name, mean ns)` from the
-/// attention on; `None` when [`layer_period`] finds no layer.
+/// attention on; `None` when [`layer_period`] finds no layer or no replay was mapped.
 pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
+    if t.replays == 0 {
+        return None;
+    }
     let names: Vec<String> = t.kernels.iter().map(|k| k.name.clone()).collect();
     let (start, p) = layer_period(&names)?;
     let layers = names.iter().enumerate().filter(|(_, n)| n.contains("attn") && !n.contains("combine")).count();
@@ -253,18 +268,16 @@ pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Kernel;
 
     #[test]
     fn only_the_runner_modules_kernels_stamp() {
-        for n in ["ferrum_gemv4_push_bf16", "ferrum_peer_add_rmsnorm_pushed_bf16", "ferrum_argmax_pick"] {
-            assert!(stamps(n), "{n}");
-        }
-        for n in [
-            "ferrum_peer_all_reduce_f32",
-            "ferrum_peer_all_reduce_bf16",
-            "ncclDevKernel_AllReduce_Sum_f32",
-            "sm90_xmma_gemm",
-        ] {
+        // Every listed kernel but the peer group's own stamps (the peer add + RMSNorm and the
+        // `_push` GEMVs come from the runner's modules); other libraries' kernels never do.
+        let own = Kernel::ALL.iter().filter(|k| !stamps(k.name())).copied().collect::<Vec<_>>();
+        assert_eq!(own, PEER_GROUP_KERNELS);
+        assert!(stamps("ferrum_peer_add_rmsnorm_pushed_bf16") && stamps("ferrum_gemv4_push_bf16"));
+        for n in ["ncclDevKernel_AllReduce_Sum_f32", "sm90_xmma_gemm_bf16bf16"] {
             assert!(!stamps(n), "{n}");
         }
     }
@@ -317,6 +330,7 @@ mod tests {
         ];
         let t = step_timeline(&rows, &nm);
         assert_eq!((t.replays, t.unmapped, t.out_of_order), (2, 1, 0));
+        assert_eq!(t.first_unmapped, Some((2, 3)));
         assert_eq!(t.span_ns(), Some(410.0));
         assert_eq!(t.kernels[0].mean_ns(), Some(110.0)); // (100 + 120) / 2
         assert_eq!(t.kernels[1].mean_ns(), Some(300.0));
@@ -353,10 +367,15 @@ mod tests {
         assert_eq!(layer_period(&nm), Some((7, 5)));
         assert_eq!(layer_period(&names(&["attn", "x", "attn"])), None);
         let st: Vec<GridStamp> = (0..nm.len() as u64).map(|i| g(100 + i, 10 * i * i, 10 * i * i, 1)).collect();
-        let t = step_timeline(&[st], &nm);
+        let t = step_timeline(std::slice::from_ref(&st), &nm);
         let lp = layer_profile(&t).unwrap();
         assert_eq!(lp.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["attn_x", "o", "gu", "down", "qkv"]);
         // Node i costs 10 ((i+1)^2 - i^2) = 10 (2i + 1); layers 1 and 2 (attention at 7, 12).
         assert_eq!(lp[0].1, (10.0 * 15.0 + 10.0 * 25.0) / 2.0);
+        // A kernel that does not stamp (session 24: the TP vocab split's peer all-reduce): no
+        // replay maps, the first row says how many stamps it had, and there is no layer.
+        let t = step_timeline(&[st[..st.len() - 1].to_vec()], &nm);
+        assert_eq!((t.replays, t.unmapped, t.first_unmapped), (0, 1, Some((nm.len() - 1, nm.len()))));
+        assert_eq!(layer_profile(&t), None);
     }
 }

@@ -142,6 +142,8 @@ struct TimelineReport {
     span_us: Option<f64>,
     /// Replays whose stamps could not be mapped onto the graph's kernels (left out).
     unmapped: usize,
+    /// The first unmapped replay's `(stamps, kernel nodes)`.
+    first_unmapped: Option<(usize, usize)>,
     /// Kernel releases that run backwards in a mapped replay (nonzero: do not trust the figures).
     out_of_order: usize,
     /// Grid ids of the first mapped replay's first kernels.
@@ -166,6 +168,7 @@ fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
         replays: t.replays,
         span_us: t.span_ns().map(|n| n / 1e3),
         unmapped: t.unmapped,
+        first_unmapped: t.first_unmapped,
         out_of_order: t.out_of_order,
         first_grids: t.first_grids.clone(),
         layer: ferrum_cuda::timeline::layer_profile(t).map(|l| l.into_iter().map(|(n, v)| (n, v / 1e3)).collect()),
@@ -391,6 +394,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
                  release to the last's, {} out of order; first grid ids {:?}",
                 t.replays, t.unmapped, t.out_of_order, t.first_grids
             );
+            if let (0, Some((stamps, nodes))) = (t.replays, t.first_unmapped) {
+                println!(
+                    "  no replay mapped: the first had {stamps} stamps for {nodes} kernel nodes (each node must \
+                     stamp once: ferrum_cuda::timeline::stamps says which do)"
+                );
+            }
             if let Some(layer) = &t.layer {
                 let total: f64 = layer.iter().map(|(_, v)| v).sum();
                 println!("  one middle layer, {total:.2} µs (mean over the middle layers):");

@@ -431,6 +431,14 @@ pub trait PeerElement: DeviceRepr + sealed::Sealed {
     const INDEX: usize;
 }
 
+// The kernels this module launches are the ones the kernel timeline knows never stamp.
+const _: () = {
+    let k = crate::timeline::PEER_GROUP_KERNELS;
+    assert!(k[<f32 as PeerElement>::INDEX] as usize == <f32 as PeerElement>::KERNEL as usize);
+    assert!(k[<f16 as PeerElement>::INDEX] as usize == <f16 as PeerElement>::KERNEL as usize);
+    assert!(k[<bf16 as PeerElement>::INDEX] as usize == <bf16 as PeerElement>::KERNEL as usize);
+};
+
 impl PeerElement for f32 {
     const KERNEL: Kernel = Kernel::PeerAllReduceF32;
     const INDEX: usize = 0;
