@@ -24,15 +24,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-    do {                                                                                      \
-        cudaError_t e_ = (x);                                                                 \
-        if (e_ != cudaSuccess) {                                                              \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                    \
-                         cudaGetErrorString(e_));                                             \
-            std::exit(1);                                                                     \
-        }                                                                                     \
-    } while (0)
+#include "check.cuh"
 
 constexpr int N = 576;  // SmolLM2-135M's hidden size
 constexpr int STEPS = 300;

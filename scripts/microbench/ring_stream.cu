@@ -30,15 +30,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                              \
-    do {                                                                                      \
-        cudaError_t e_ = (x);                                                                 \
-        if (e_ != cudaSuccess) {                                                              \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x,                    \
-                         cudaGetErrorString(e_));                                             \
-            std::exit(1);                                                                     \
-        }                                                                                     \
-    } while (0)
+#include "check.cuh"
 
 constexpr size_t BYTES = size_t(1) << 30;
 constexpr int REPS = 7;
