@@ -406,6 +406,10 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     float *s_mrg = reinterpret_cast<float *>(s_dyn);
     uint4 *s_early = s_dyn + (cluster ? mrg_bytes / 16 : 0);
     if (!ROPE) FERRUM_PDL_ENTRY();  // the position and the cache may come from the last kernel
+    // ROPE: this thread's inverse frequency (RoPE pair threadIdx.x), loaded before the position
+    // so that the two loads are in flight together: the early copies below wait on the
+    // position, the angle on both, and all of it runs before the wait.
+    const float inv_f = ROPE && threadIdx.x < HD / 2 ? ld_early_f(rope.inv_freq + threadIdx.x) : 0.0f;
     const uint32_t pos = (ROPE ? ld_early(pos_base) : pos_base[0]) + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
     const int chunk = (len + n_splits - 1) / n_splits;
@@ -457,9 +461,10 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         // either) are loaded after the wait, together with the new token's row: one round trip.
         const bool bias = rope.bias != nullptr;
         RopeConsts kq = {bias, rope.q_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
-        if (active) rope_angle(pos, ld_early_f(rope.inv_freq + i), kq.c, kq.sn);
+        if (active) rope_angle(pos, inv_f, kq.c, kq.sn);
         FERRUM_PDL_ENTRY();  // q, k and v of the new token come from the QKV projection
-        if (early) cp_early_wait();
+        // (The early copies are waited for after the RoPE work, before the walk reads them: the
+        // loads of the new token's row below need not queue behind copies still in flight.)
         RopeConsts kk = {bias, rope.k_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, kq.c, kq.sn};
         RopeConsts kv = {bias, false, false, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
         const float *row = q + (size_t)tok * q_stride;
@@ -512,6 +517,8 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
         __syncthreads();
     }
+    // This thread's early copies have landed (it reads back only the slots it copied).
+    if (early) cp_early_wait();
     float qv[8], acc[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {

@@ -41,14 +41,18 @@ typedef __nv_bfloat16 bf16;
 // grid at %gridid modulo FERRUM_TL_NODES (in a graph replay the low bits of the grid id
 // number its kernel nodes; the host checks that every node stamped a distinct slot). A slot
 // holds the grid id, the earliest and the latest stamp (the latter complemented, so that one
-// all-ones reset serves every field and both take an atomicMin) and a block count (all-ones
-// plus one per stamping block). The atomics' results are unused (fire-and-forget reductions), so a
-// stamp costs the block's first thread a timer read and four reductions.
+// all-ones reset serves every field and both take an atomicMin), a block count (all-ones
+// plus one per stamping block), and the earliest and latest arrival at the wait (the timer read
+// just before it, after the kernel's pre-wait work: a block that arrives after the release of
+// the grid's first block was dispatched late or spent its pre-wait path on the critical path).
+// The atomics' results are unused (fire-and-forget reductions), so a stamp costs the block's
+// first thread two timer reads and six reductions.
 #define FERRUM_TL_REPLAYS 64
 #define FERRUM_TL_NODES 4096
 struct FerrumTlSlot {
     unsigned long long grid, first, last_not;
     unsigned blocks, pad;
+    unsigned long long arrive_first, arrive_last_not;
 };
 __device__ FerrumTlSlot ferrum_tl[FERRUM_TL_REPLAYS * FERRUM_TL_NODES];
 __device__ unsigned ferrum_tl_on;
@@ -58,7 +62,7 @@ __device__ unsigned ferrum_tl_on;
 // kernel being measured.
 #define FERRUM_TL_FIRST_BLOCKS 8
 #define FERRUM_TL_EVERY 32
-__device__ __forceinline__ void ferrum_tl_stamp(unsigned on) {
+__device__ __forceinline__ void ferrum_tl_stamp(unsigned on, unsigned long long arrived) {
     if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return;
     const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (b >= FERRUM_TL_FIRST_BLOCKS && b % FERRUM_TL_EVERY != 0u) return;
@@ -70,18 +74,28 @@ __device__ __forceinline__ void ferrum_tl_stamp(unsigned on) {
     atomicMin(&s->first, t);
     atomicMin(&s->last_not, ~t);
     atomicAdd(&s->blocks, 1u);
+    atomicMin(&s->arrive_first, arrived);
+    atomicMin(&s->arrive_last_not, ~arrived);
+}
+__device__ __forceinline__ unsigned long long ferrum_tl_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
 }
 #define FERRUM_TL_FLAG() (*(volatile unsigned *)&ferrum_tl_on)
+#define FERRUM_TL_NOW() ferrum_tl_now()
 #else
 #define FERRUM_TL_FLAG() 0u
-#define ferrum_tl_stamp(on) ((void)(on))
+#define FERRUM_TL_NOW() 0ull
+#define ferrum_tl_stamp(on, arrived) ((void)(on), (void)(arrived))
 #endif
 #define FERRUM_PDL_ENTRY()                                                                         \
     do {                                                                                           \
         const unsigned ferrum_tl_on_ = FERRUM_TL_FLAG();                                           \
+        const unsigned long long ferrum_tl_arrived_ = FERRUM_TL_NOW();                             \
         asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
         asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                            \
-        ferrum_tl_stamp(ferrum_tl_on_);                                                            \
+        ferrum_tl_stamp(ferrum_tl_on_, ferrum_tl_arrived_);                                        \
     } while (0)
 #else
 #define FERRUM_HAS_PDL 0

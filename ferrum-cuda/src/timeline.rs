@@ -20,8 +20,9 @@
 pub const REPLAYS: usize = 64;
 /// Slots per replay row (common.cuh's `FERRUM_TL_NODES`): grid ids are taken modulo this.
 pub const NODES: usize = 4096;
-/// Bytes per slot: `grid: u64, first: u64, last_not: u64, blocks: u32, pad: u32`.
-pub const SLOT_BYTES: usize = 32;
+/// Bytes per slot: `grid: u64, first: u64, last_not: u64, blocks: u32, pad: u32,
+/// arrive_first: u64, arrive_last_not: u64`.
+pub const SLOT_BYTES: usize = 48;
 
 /// One grid's stamps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -34,6 +35,12 @@ pub struct GridStamp {
     pub last_ns: u64,
     /// Blocks that stamped (the first 8 and every 32nd: common.cuh).
     pub blocks: u32,
+    /// Earliest arrival of its stamped blocks at the wait (ns): the timer read just before it,
+    /// after the kernel's pre-wait work (the early weight and cache loads are issued, not done).
+    pub arrive_first_ns: u64,
+    /// Latest arrival at the wait (ns): later than `first_ns` when a block was dispatched after
+    /// the kernel before had completed, or its pre-wait path outlasted that kernel.
+    pub arrive_last_ns: u64,
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -60,6 +67,8 @@ pub fn parse_table(bytes: &[u8]) -> Vec<Vec<GridStamp>> {
                         first_ns: u64_at(s, 8),
                         last_ns: !u64_at(s, 16),
                         blocks,
+                        arrive_first_ns: u64_at(s, 32),
+                        arrive_last_ns: !u64_at(s, 40),
                     })
                 })
                 .collect()
@@ -83,6 +92,12 @@ pub struct KernelTime {
     pub durations: usize,
     /// Sum of the time from its earliest to its latest wait release (ns).
     pub spread_sum_ns: f64,
+    /// Sum of its earliest arrival at the wait minus its earliest release (ns; negative: blocks
+    /// were waiting before the kernel ahead completed).
+    pub arrive_first_sum_ns: f64,
+    /// Sum of its latest arrival at the wait minus its earliest release (ns; positive: a block
+    /// arrived after the release, late dispatch or a long pre-wait path).
+    pub arrive_last_sum_ns: f64,
     /// Blocks that stamped, in the last replay that stamped it (see [`GridStamp::blocks`]).
     pub blocks: u32,
     /// Replays in which it stamped.
@@ -96,8 +111,16 @@ impl KernelTime {
     }
     /// Mean spread of its blocks' wait releases (ns).
     pub fn spread_ns(&self) -> f64 {
+        self.per_sample(self.spread_sum_ns)
+    }
+    /// Mean of its earliest and of its latest arrival at the wait, relative to its earliest
+    /// release (ns).
+    pub fn arrivals_ns(&self) -> (f64, f64) {
+        (self.per_sample(self.arrive_first_sum_ns), self.per_sample(self.arrive_last_sum_ns))
+    }
+    fn per_sample(&self, sum: f64) -> f64 {
         if self.samples > 0 {
-            self.spread_sum_ns / self.samples as f64
+            sum / self.samples as f64
         } else {
             0.0
         }
@@ -148,6 +171,8 @@ impl StepTimeline {
             a.sum_ns += b.sum_ns;
             a.durations += b.durations;
             a.spread_sum_ns += b.spread_sum_ns;
+            a.arrive_first_sum_ns += b.arrive_first_sum_ns;
+            a.arrive_last_sum_ns += b.arrive_last_sum_ns;
             a.samples += b.samples;
             if b.samples > 0 {
                 a.blocks = b.blocks;
@@ -206,6 +231,8 @@ pub fn step_timeline(rows: &[Vec<GridStamp>], names: &[String]) -> StepTimeline 
         for (i, s) in row.iter().enumerate() {
             let kt = &mut t.kernels[i];
             kt.spread_sum_ns += s.last_ns.saturating_sub(s.first_ns) as f64;
+            kt.arrive_first_sum_ns += s.arrive_first_ns as f64 - s.first_ns as f64;
+            kt.arrive_last_sum_ns += s.arrive_last_ns as f64 - s.first_ns as f64;
             kt.blocks = s.blocks;
             kt.samples += 1;
             if let Some(n) = row.get(i + 1) {
@@ -282,12 +309,14 @@ mod tests {
         }
     }
 
-    fn slot(grid: u64, first: u64, last: u64, blocks: u32) -> [u8; SLOT_BYTES] {
-        let mut s = [0u8; SLOT_BYTES];
+    fn slot(grid: u64, first: u64, last: u64, blocks: u32, arrive: (u64, u64)) -> [u8; SLOT_BYTES] {
+        let mut s = [0xffu8; SLOT_BYTES];
         s[0..8].copy_from_slice(&grid.to_le_bytes());
         s[8..16].copy_from_slice(&first.to_le_bytes());
         s[16..24].copy_from_slice(&(!last).to_le_bytes());
         s[24..28].copy_from_slice(&blocks.wrapping_sub(1).to_le_bytes());
+        s[32..40].copy_from_slice(&arrive.0.to_le_bytes());
+        s[40..48].copy_from_slice(&(!arrive.1).to_le_bytes());
         s
     }
 
@@ -296,16 +325,30 @@ mod tests {
         let mut t = vec![0xffu8; 2 * NODES * SLOT_BYTES];
         assert!(parse_table(&t).iter().all(Vec::is_empty));
         let at = |row: usize, slot: usize| (row * NODES + slot) * SLOT_BYTES;
-        t[at(1, 9)..at(1, 10)].copy_from_slice(&slot(9, 300, 300, 1));
-        t[at(1, 5)..at(1, 6)].copy_from_slice(&slot(4101, 100, 250, 3));
+        t[at(1, 9)..at(1, 10)].copy_from_slice(&slot(9, 300, 300, 1, (290, 290)));
+        t[at(1, 5)..at(1, 6)].copy_from_slice(&slot(4101, 100, 250, 3, (40, 240)));
         let rows = parse_table(&t);
         assert_eq!(rows.len(), 2);
         assert!(rows[0].is_empty());
         assert_eq!(
             rows[1],
             vec![
-                GridStamp { grid: 9, first_ns: 300, last_ns: 300, blocks: 1 },
-                GridStamp { grid: 4101, first_ns: 100, last_ns: 250, blocks: 3 },
+                GridStamp {
+                    grid: 9,
+                    first_ns: 300,
+                    last_ns: 300,
+                    blocks: 1,
+                    arrive_first_ns: 290,
+                    arrive_last_ns: 290
+                },
+                GridStamp {
+                    grid: 4101,
+                    first_ns: 100,
+                    last_ns: 250,
+                    blocks: 3,
+                    arrive_first_ns: 40,
+                    arrive_last_ns: 240
+                },
             ]
         );
     }
@@ -315,7 +358,15 @@ mod tests {
     }
 
     fn g(grid: u64, first_ns: u64, last_ns: u64, blocks: u32) -> GridStamp {
-        GridStamp { grid, first_ns, last_ns, blocks }
+        // Arrivals 50 ns before the first release (or at 0) and at the last one.
+        GridStamp {
+            grid,
+            first_ns,
+            last_ns,
+            blocks,
+            arrive_first_ns: first_ns.saturating_sub(50),
+            arrive_last_ns: last_ns,
+        }
     }
 
     #[test]
@@ -335,6 +386,7 @@ mod tests {
         assert_eq!(t.kernels[0].mean_ns(), Some(110.0)); // (100 + 120) / 2
         assert_eq!(t.kernels[1].mean_ns(), Some(300.0));
         assert_eq!(t.kernels[1].spread_ns(), 25.0);
+        assert_eq!(t.kernels[1].arrivals_ns(), (-50.0, 25.0));
         assert_eq!(t.kernels[2].mean_ns(), None); // the last node has no successor
         assert_eq!((t.kernels[2].samples, t.kernels[2].blocks), (2, 2));
         assert_eq!(t.first_grids, vec![65536, 65537, 65538]);

@@ -160,6 +160,9 @@ struct TimelineKernel {
     name: String,
     mean_us: Option<f64>,
     spread_us: f64,
+    /// The stamped blocks' earliest and latest arrival at the wait, µs after the earliest
+    /// release (negative: before it).
+    arrive_us: (f64, f64),
     stamped_blocks: u32,
 }
 
@@ -179,6 +182,7 @@ fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
                 name: k.name.clone(),
                 mean_us: k.mean_ns().map(|n| n / 1e3),
                 spread_us: k.spread_ns() / 1e3,
+                arrive_us: (k.arrivals_ns().0 / 1e3, k.arrivals_ns().1 / 1e3),
                 stamped_blocks: k.blocks,
             })
             .collect(),
@@ -409,11 +413,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             println!(
                 "  every kernel of the step (mean µs to the next kernel's release, spread of the stamped \
-                 releases, stamped blocks: the first 8 and every 32nd):"
+                 releases, stamped blocks: the first 8 and every 32nd; their earliest and latest arrival \
+                 at the wait, µs after the earliest release):"
             );
             for k in &t.kernels {
                 let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
-                println!("    {:<40} {m:>7} {:>7.2} {:>6}", k.name, k.spread_us, k.stamped_blocks);
+                println!(
+                    "    {:<40} {m:>7} {:>7.2} {:>6} {:>7.2} {:>7.2}",
+                    k.name, k.spread_us, k.stamped_blocks, k.arrive_us.0, k.arrive_us.1
+                );
             }
         }
         for (what, rows) in [("one decode step", &r.kernel_profile), ("one prefill", &r.prefill_kernel_profile)] {
