@@ -44,12 +44,14 @@ __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f
 // weight and with ss += x^2 for NORM). The same operations in the same order wherever it is
 // called, so the prefetched and the streamed chunks round alike.
 template <typename T, int ROWS, bool NORM>
-__device__ __forceinline__ void gemv_chunk_of(float (&acc)[ROWS], float &ss, const uint4 (&wv)[ROWS], float4 xa,
-                                              float4 xb, uint4 nv) {
+__device__ __forceinline__ void gemv_chunk(float (&acc)[ROWS], float &ss, const uint4 (&wv)[ROWS],
+                                           const float4 *x4, const T *norm_w, int c) {
+    const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
     float xf[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
     if (NORM) {
+        // norm_w is a whole cols-element allocation: chunk c is 16-byte aligned.
         float nf[8];
-        unpack8(nv, nf, T());
+        unpack8(__ldg(reinterpret_cast<const uint4 *>(norm_w) + c), nf, T());
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
             ss = fmaf(xf[j], xf[j], ss);
@@ -63,13 +65,6 @@ __device__ __forceinline__ void gemv_chunk_of(float (&acc)[ROWS], float &ss, con
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[r] = fmaf(wf[j], xf[j], acc[r]);
     }
-}
-template <typename T, int ROWS, bool NORM>
-__device__ __forceinline__ void gemv_chunk(float (&acc)[ROWS], float &ss, const uint4 (&wv)[ROWS],
-                                           const float4 *x4, const T *norm_w, int c) {
-    const float4 xa = __ldg(x4 + 2 * c), xb = __ldg(x4 + 2 * c + 1);
-    const uint4 nv = NORM ? __ldg(reinterpret_cast<const uint4 *>(norm_w) + c) : make_uint4(0, 0, 0, 0);
-    gemv_chunk_of<T, ROWS, NORM>(acc, ss, wv, xa, xb, nv);
 }
 
 // A 16-byte load issued before the programmatic-launch wait. Two traps keep a plain __ldg
@@ -108,17 +103,6 @@ template <int ROWS> struct GemvPrefetch {
     static constexpr int CHUNKS = 8 / ROWS;
     static constexpr int UNROLL = 8 / ROWS;
 };
-
-// The launch bounds of the 4-row GEMV entry points: 256 threads, and in the sm_90 build
-// (FERRUM_PDL) at least 4 blocks a multiprocessor, i.e. at most 64 registers a thread: 32 warps
-// resident, which the bytes in flight need (their hoisted x loads, below, would take ptxas to
-// 66-74 registers). The 2-row entry points, which keep ptxas's own choice (58-64), have
-// __launch_bounds__(256).
-#ifdef FERRUM_PDL
-#define GEMV4_BOUNDS __launch_bounds__(256, 4)
-#else
-#define GEMV4_BOUNDS __launch_bounds__(256)
-#endif
 
 // Block shape limits of the split-K layout: (32 * groups, ks) threads, groups * ks <= 8.
 #define GEMV_MAX_GROUPS 8
@@ -200,42 +184,10 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     FERRUM_PDL_ENTRY();  // x comes from the previous kernel
     if (vec) {
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
-        if (FERRUM_HAS_PDL && PF <= 2) {
-            // The prefetched chunks' x (and norm weight) loads, written branch-free so that
-            // ptxas may issue them together: behind a `c < n8` branch each, chunk u + 1's loads
-            // would issue only once chunk u's FMAs had their operands, one dependent L1-miss
-            // round trip per chunk before the loop's first weight loads. A chunk past the end
-            // loads chunk 0 (which exists: n8 >= 1) and multiplies zeros: its weights are zero
-            // (pre) and its x and norm weights are zeroed here, so each FMA adds a zero to an
-            // accumulator that is never -0 (it starts at +0, and a sum that rounds to zero is
-            // +0), and ss likewise: bit-identical to skipping it. Only for PF <= 2 (4-row warps): with PF = 4 the
-            // loads do not fit the 64 registers without spilling; and only in the sm_90 build,
-            // whose launch bounds hold the 4-row GEMVs to 64 registers (GEMV4_BOUNDS: ptxas would
-            // take up to 74 here, a quarter of the resident warps; the compute_80 build spills
-            // under that bound, so it keeps the chunk-by-chunk loads).
-            float4 xa[PF], xb[PF];
-            uint4 nv[PF];
 #pragma unroll
-            for (int u = 0; u < PF; ++u) {
-                const int c = gl + LPR * (kw + ks * u);
-                const int cc = c < n8 ? c : 0;
-                xa[u] = __ldg(x4 + 2 * cc);
-                xb[u] = __ldg(x4 + 2 * cc + 1);
-                nv[u] = NORM ? __ldg(reinterpret_cast<const uint4 *>(norm_w) + cc) : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int u = 0; u < PF; ++u) {
-                const bool in = gl + LPR * (kw + ks * u) < n8;
-                const float4 z = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                gemv_chunk_of<T, ROWS, NORM>(acc, ss, pre[u], in ? xa[u] : z, in ? xb[u] : z,
-                                             in ? nv[u] : make_uint4(0, 0, 0, 0));
-            }
-        } else {
-#pragma unroll
-            for (int u = 0; u < PF; ++u) {
-                const int c = gl + LPR * (kw + ks * u);
-                if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
-            }
+        for (int u = 0; u < PF; ++u) {
+            const int c = gl + LPR * (kw + ks * u);
+            if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
         }
 #pragma unroll (GemvPrefetch<ROWS>::UNROLL)
         for (int c = gl + LPR * (kw + ks * PF); c < n8; c += LPR * ks) {
@@ -334,7 +286,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
         ferrum_gemv_push_##S(PeerArgs a, float *y, const T *W, const float *x, int rows, int cols) { \
         gemv<T, 2, false, false, false, true>(y, W, x, rows, cols, nullptr, 0.0f, &a);            \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_push_##S(PeerArgs a, float *y, const T *W, const float *x, int rows, int cols) { \
         gemv<T, 4, false, false, false, true>(y, W, x, rows, cols, nullptr, 0.0f, &a);            \
     }
@@ -350,7 +302,7 @@ FERRUM_GEMV_PUSH(bf16, bf16)
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_##S(float *y, const T *W, const float *x, int rows, int cols,                 \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 4, false, false, false>(y, W, x, rows, cols, norm_w, eps);                         \
@@ -360,7 +312,7 @@ FERRUM_GEMV_PUSH(bf16, bf16)
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_gateup_##S(float *y, const T *W, const float *x, int rows, int cols,          \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 4, true, false, false>(y, W, x, rows, cols, norm_w, eps);                          \
@@ -370,7 +322,7 @@ FERRUM_GEMV_PUSH(bf16, bf16)
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_norm_##S(float *y, const T *W, const float *x, int rows, int cols,            \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 4, false, true, false>(y, W, x, rows, cols, norm_w, eps);                          \
@@ -380,7 +332,7 @@ FERRUM_GEMV_PUSH(bf16, bf16)
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_gateup_norm_##S(float *y, const T *W, const float *x, int rows, int cols,     \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 4, true, true, false>(y, W, x, rows, cols, norm_w, eps);                           \
@@ -390,7 +342,7 @@ FERRUM_GEMV_PUSH(bf16, bf16)
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
     }                                                                                              \
-    extern "C" __global__ void GEMV4_BOUNDS                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv4_res_##S(float *y, const T *W, const float *x, int rows, int cols,             \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 4, false, false, true>(y, W, x, rows, cols, norm_w, eps);                          \
