@@ -46,7 +46,8 @@ typedef __nv_bfloat16 bf16;
 // just before it, after the kernel's pre-wait work: a block that arrives after the release of
 // the grid's first block was dispatched late or spent its pre-wait path on the critical path).
 // The atomics' results are unused (fire-and-forget reductions), so a stamp costs the block's
-// first thread two timer reads and six reductions.
+// first thread a timer read and six reductions, and every thread a timer read before the wait
+// (FERRUM_PDL_ENTRY reads it before it knows which thread stamps).
 #define FERRUM_TL_REPLAYS 64
 #define FERRUM_TL_NODES 4096
 struct FerrumTlSlot {

@@ -231,8 +231,10 @@ pub fn step_timeline(rows: &[Vec<GridStamp>], names: &[String]) -> StepTimeline 
         for (i, s) in row.iter().enumerate() {
             let kt = &mut t.kernels[i];
             kt.spread_sum_ns += s.last_ns.saturating_sub(s.first_ns) as f64;
-            kt.arrive_first_sum_ns += s.arrive_first_ns as f64 - s.first_ns as f64;
-            kt.arrive_last_sum_ns += s.arrive_last_ns as f64 - s.first_ns as f64;
+            // Differences in integers first: `%globaltimer` counts ns since 1970 (~1.8e18),
+            // where an f64 resolves only 256 ns.
+            kt.arrive_first_sum_ns += s.arrive_first_ns.wrapping_sub(s.first_ns) as i64 as f64;
+            kt.arrive_last_sum_ns += s.arrive_last_ns.wrapping_sub(s.first_ns) as i64 as f64;
             kt.blocks = s.blocks;
             kt.samples += 1;
             if let Some(n) = row.get(i + 1) {
@@ -398,7 +400,26 @@ mod tests {
             (m.replays, m.span_ns(), m.kernels[1].mean_ns(), m.kernels[1].samples),
             (4, Some(410.0), Some(300.0), 4)
         );
+        assert_eq!(m.kernels[1].arrivals_ns(), t.kernels[1].arrivals_ns());
         assert!(m.merge(&step_timeline(&rows, &names(&["x", "qkv", "attn"]))).is_err());
+    }
+
+    #[test]
+    fn arrivals_keep_nanoseconds_at_real_timer_values() {
+        // %globaltimer near 2026 (~1.8e18 ns): the arrival 70 ns before and 30 ns after the
+        // first release, which converting each stamp to f64 first would round to 0 or 256.
+        let t0 = 1_764_590_000_123_456_789u64;
+        let st = GridStamp {
+            grid: 1,
+            first_ns: t0,
+            last_ns: t0 + 40,
+            blocks: 2,
+            arrive_first_ns: t0 - 70,
+            arrive_last_ns: t0 + 30,
+        };
+        let t = step_timeline(&[vec![st]], &names(&["k"]));
+        assert_eq!(t.kernels[0].arrivals_ns(), (-70.0, 30.0));
+        assert_eq!(t.kernels[0].spread_ns(), 40.0);
     }
 
     #[test]

@@ -151,7 +151,8 @@ struct TimelineReport {
     /// The repeating layer over the middle layers: (kernel, mean µs), from the attention on.
     layer: Option<Vec<(String, f64)>>,
     /// Every kernel node of the step in graph order: name, mean µs, spread of its blocks'
-    /// wait releases in µs, blocks that stamped (the first 8 and every 32nd).
+    /// wait releases in µs, their earliest and latest arrival at the wait in µs after the
+    /// earliest release, blocks that stamped (the first 8 and every 32nd).
     kernels: Vec<TimelineKernel>,
 }
 
