@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "check.cuh"
+#include "graph.cuh"
 
 constexpr int N = 576;  // SmolLM2-135M's hidden size
 constexpr int STEPS = 300;
@@ -114,46 +115,6 @@ __global__ void weights_step(const uint4 *w, const float *in, float *out) {
     if (lane == 0) out[(gt >> 5) % N] = v * 1e-30f;
 }
 
-// One step's launch, captured into the graph: g blocks of th threads, with programmatic
-// dependent launch when `pdl`.
-template <typename... Args>
-static void launch(cudaStream_t st, int g, int th, bool pdl, void (*kernel)(Args...), Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(g);
-    cfg.blockDim = dim3(th);
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-static float time_graph(cudaGraphExec_t exec, cudaStream_t st) {
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    std::vector<float> t;
-    for (int r = 0; r < REPS + 2; ++r) {
-        CHECK(cudaEventRecord(e0, st));
-        CHECK(cudaGraphLaunch(exec, st));
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms * 1000.0f / STEPS);
-    }
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
-    return median(t);
-}
-
 int main() {
     cudaStream_t st;
     CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -186,7 +147,7 @@ int main() {
                 CHECK(cudaStreamEndCapture(st, &graph));
                 CHECK(cudaGraphInstantiate(&exec, graph, 0));
                 std::printf("chain      blocks %4d x %4d  pdl %d  %-6s %6.2f us per step\n", g, th, pdl,
-                            names[touch], time_graph(exec, st));
+                            names[touch], time_graph(exec, st, STEPS, REPS));
                 CHECK(cudaGraphExecDestroy(exec));
                 CHECK(cudaGraphDestroy(graph));
             }
@@ -203,7 +164,7 @@ int main() {
             CHECK(cudaStreamEndCapture(st, &graph));
             CHECK(cudaGraphInstantiate(&exec, graph, 0));
             std::printf("persistent blocks %4d x %4d         %-6s %6.2f us per step\n", g, th,
-                        names[touch], time_graph(exec, st));
+                        names[touch], time_graph(exec, st, STEPS, REPS));
             CHECK(cudaGraphExecDestroy(exec));
             CHECK(cudaGraphDestroy(graph));
         }
@@ -229,7 +190,7 @@ int main() {
                 CHECK(cudaStreamEndCapture(st, &graph));
                 CHECK(cudaGraphInstantiate(&exec, graph, 0));
                 std::printf("weights    blocks %4d x %4d  pdl 1  %-6s %6.2f us per step (%zu KiB of weights)\n", g,
-                            th, dram ? "dram" : "l2", time_graph(exec, st), region * 16 / 1024);
+                            th, dram ? "dram" : "l2", time_graph(exec, st, STEPS, REPS), region * 16 / 1024);
                 CHECK(cudaGraphExecDestroy(exec));
                 CHECK(cudaGraphDestroy(graph));
             }

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "check.cuh"
+#include "graph.cuh"
 
 constexpr int N = 2048;  // x: Llama-3.2-1B's hidden size
 constexpr int STEPS = 300;
@@ -97,51 +98,17 @@ __global__ void __launch_bounds__(256) step(const uint4 *w, const float *in, flo
     if (lane == 0) out[gt >> 5] = v * 1e-30f;
 }
 
-template <typename... Args>
-static void launch(cudaStream_t st, int g, int th, void (*kernel)(Args...), Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(g);
-    cfg.blockDim = dim3(th);
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
-static float time_graph(cudaGraphExec_t exec, cudaStream_t st) {
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
-    std::vector<float> t;
-    for (int r = 0; r < REPS + 2; ++r) {
-        CHECK(cudaEventRecord(e0, st));
-        CHECK(cudaGraphLaunch(exec, st));
-        CHECK(cudaEventRecord(e1, st));
-        CHECK(cudaEventSynchronize(e1));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r >= 2) t.push_back(ms * 1000.0f / STEPS);
-    }
-    CHECK(cudaEventDestroy(e0));
-    CHECK(cudaEventDestroy(e1));
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
-}
-
 template <int MODE>
 static float run(cudaStream_t st, int g, const uint4 *w, size_t region, float *a, float *b) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
     for (int s = 0; s < STEPS; ++s)
-        launch(st, g, 256, step<MODE>, w + (size_t)s * region, (const float *)(s % 2 ? b : a), s % 2 ? a : b,
+        launch(st, g, 256, true, step<MODE>, w + (size_t)s * region, (const float *)(s % 2 ? b : a), s % 2 ? a : b,
                N / 8);
     CHECK(cudaStreamEndCapture(st, &graph));
     CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const float us = time_graph(exec, st);
+    const float us = time_graph(exec, st, STEPS, REPS);
     CHECK(cudaGraphExecDestroy(exec));
     CHECK(cudaGraphDestroy(graph));
     return us;
