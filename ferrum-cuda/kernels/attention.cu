@@ -118,28 +118,27 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
 // Merges n_splits partials of one (token, head) into out_row[d] for d = threadIdx.x,
 // threadIdx.x + blockDim.x, ... < hd, in split order (so the result depends neither on which
 // block runs it, nor on its size, nor on where the partials lie). Split s's unnormalised sums
-// are acc[s * hd + d], its (max, sum) ml[2 s] and ml[2 s + 1]. GLOBAL: they are in global
-// memory, written by other blocks of the same launch, and read through L2 (__ldcg, never a
-// stale L1 line); else they are in this block's shared memory (the cluster merge). `sw` is
-// 2 * n_splits floats of shared scratch. Called by every thread of the block (blockDim.x >=
-// 32): the first warp computes the max M and each split's weight exp(m_s - M) (0 for an empty
+// are acc[s * hd + d], its (max, sum) ml[2 s] and ml[2 s + 1], in global memory, written by
+// other blocks of the same launch and read through L2 (__ldcg, never a stale L1 line); the
+// cluster merge, whose partials are in shared memory, has its own form (merge_cluster_rows).
+// `sw` is 2 * n_splits floats of shared scratch. Called by every thread of the block (blockDim.x
+// >= 32): the first warp computes the max M and each split's weight exp(m_s - M) (0 for an empty
 // split) into `sw`, then each thread sums its columns with the weights in split order; the
 // loads of that sum do not depend on one another, so they are in flight together (a loop that
 // loads m_s and branches per split waits on each load in turn, ~30 us for 64 splits at head
 // dim 128).
-template <bool GLOBAL>
 __device__ __forceinline__ void merge_rows(float *out_row, const float *acc, const float *ml, int hd,
                                            int n_splits, float *sw) {
     float *s_w = sw, *s_l = sw + n_splits;
     if (threadIdx.x < 32) {
         float M = FERRUM_NEG_INF;
-        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, GLOBAL ? __ldcg(ml + 2 * s) : ml[2 * s]);
+        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, __ldcg(ml + 2 * s));
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));  // exact
         for (int s = threadIdx.x; s < n_splits; s += 32) {
-            const float ms = GLOBAL ? __ldcg(ml + 2 * s) : ml[2 * s];
+            const float ms = __ldcg(ml + 2 * s);
             s_w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
-            s_l[s] = GLOBAL ? __ldcg(ml + 2 * s + 1) : ml[2 * s + 1];
+            s_l[s] = __ldcg(ml + 2 * s + 1);
         }
     }
     __syncthreads();
@@ -149,7 +148,38 @@ __device__ __forceinline__ void merge_rows(float *out_row, const float *acc, con
         const float *a = acc + d;
         float A = 0.0f;
 #pragma unroll 16
-        for (int s = 0; s < n_splits; ++s) A = fmaf(GLOBAL ? __ldcg(a + (size_t)s * hd) : a[(size_t)s * hd], s_w[s], A);
+        for (int s = 0; s < n_splits; ++s) A = fmaf(__ldcg(a + (size_t)s * hd), s_w[s], A);
+        out_row[d] = L > 0.0f ? A / L : 0.0f;
+    }
+}
+
+// The cluster merge's form of merge_rows (n_splits <= ATTN_MAX_CLUSTER partials in block 0's
+// own shared memory, head dim HD): every thread reads the n_splits (max, sum) pairs itself
+// (broadcast reads) and computes M, the weights and L in registers, so the merge is one chain
+// of loads and arithmetic per thread, with no warp reduction, shared scratch or block barrier
+// between them (merge_rows' first-warp phase and barrier took ~1 µs of a 135M layer's
+// attention in the kernel timeline's phase stamps, session 26 call 3). The same operations in
+// the same order as merge_rows (M is a maximum, exact in any order), so bit-identical.
+template <int HD>
+__device__ __forceinline__ void merge_cluster_rows(float *out_row, const float *acc, const float *ml, int n_splits) {
+    float M = FERRUM_NEG_INF;
+#pragma unroll
+    for (int s = 0; s < ATTN_MAX_CLUSTER; ++s)
+        if (s < n_splits) M = fmaxf(M, ml[2 * s]);
+    float w[ATTN_MAX_CLUSTER], L = 0.0f;
+#pragma unroll
+    for (int s = 0; s < ATTN_MAX_CLUSTER; ++s) {
+        if (s < n_splits) {
+            const float ms = ml[2 * s];
+            w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
+            L = fmaf(ml[2 * s + 1], w[s], L);
+        }
+    }
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float A = 0.0f;
+#pragma unroll
+        for (int s = 0; s < ATTN_MAX_CLUSTER; ++s)
+            if (s < n_splits) A = fmaf(acc[s * HD + d], w[s], A);
         out_row[d] = L > 0.0f ? A / L : 0.0f;
     }
 }
@@ -161,7 +191,7 @@ __device__ __forceinline__ void merge_into(float *out, const float *part_acc, co
                                            int tok, int h, int heads, int hd, int n_splits) {
     __shared__ float s_wl[2 * ATTN_MAX_SPLITS];
     const size_t base = ((size_t)tok * heads + h) * n_splits;
-    merge_rows<true>(out + ((size_t)tok * heads + h) * hd, part_acc + base * hd, part_ml + base * 2, hd,
+    merge_rows(out + ((size_t)tok * heads + h) * hd, part_acc + base * hd, part_ml + base * 2, hd,
                      n_splits, s_wl);
 }
 
@@ -193,15 +223,23 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 // can run as one cluster (the host's choice: plan::attn_cluster), and then merge their partials
 // through distributed shared memory instead of global memory, a fence and a ticket. The
 // protocol (attn_impl):
+// 0. the first thread of the cluster's block 0 initialises an mbarrier in its shared memory
+//    (one arrival, its own, expecting the other blocks' partial bytes: (n_splits - 1) x
+//    (head dim + 2) floats) and fences the initialisation for the cluster;
 // 1. at entry every thread arrives (relaxed) at the cluster barrier: "this block has started";
 // 2. before its first remote store, every thread waits on that phase, so every block of the
-//    cluster is running (a block's shared memory may be written only while the block exists);
-// 3. each block stores its partial into its split's slot of the merge buffer of the cluster's
-//    block 0 (st.shared::cluster), then every thread arrives with release semantics and waits
-//    with acquire semantics: once the wait returns, every block's stores are visible to block 0;
-// 4. block 0 merges from its own shared memory; the others exit, and none of their shared
-//    memory is read by anyone (block 0's lives until its own reads are done).
-// No thread of the cluster returns before step 3's barrier, so every phase completes.
+//    cluster is running (a block's shared memory may be written only while the block exists)
+//    and block 0's mbarrier is initialised;
+// 3. each other block stores its partial into its split's slot of block 0's merge buffer with
+//    st.async, each store completing its bytes on block 0's mbarrier, and exits: none of its
+//    own shared memory is read by anyone. Block 0 stores its own partial locally, passes a
+//    block barrier, and waits (acquire, cluster scope) for the mbarrier's phase: then every
+//    block's bytes have landed and are visible to it;
+// 4. block 0 merges from its own shared memory.
+// Every thread arrives at and waits on the one cluster barrier phase before any returns, so
+// that phase completes; block 0 lives until its own reads are done. (Before session 26 step 3
+// was a second cluster barrier phase, release and acquire, that every block waited on: the
+// kernel timeline's phase stamps put 0.78 µs of a 135M layer's attention there.)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
 #define FERRUM_HAS_CLUSTER 1
 __device__ __forceinline__ uint32_t cluster_blocks() {
@@ -222,25 +260,51 @@ __device__ __forceinline__ uint32_t cluster_map(const void *p, uint32_t rank) {
                  : "r"((uint32_t)__cvta_generic_to_shared(p)), "r"(rank));
     return out;
 }
-__device__ __forceinline__ void st_cluster(uint32_t addr, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(addr), "f"(v) : "memory");
-}
 __device__ __forceinline__ void cluster_arrive_relaxed() {
     asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
 }
-__device__ __forceinline__ void cluster_arrive_release() {
-    asm volatile("barrier.cluster.arrive.release;" ::: "memory");
-}
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;" ::: "memory"); }
+// Step 0: the merge mbarrier at `bar` (this block's shared memory), one arrival (the caller's,
+// made here) and `bytes` expected; the fence orders the initialisation before the cluster
+// barrier's relaxed arrive (the pattern CUTLASS's cluster pipelines use).
+__device__ __forceinline__ void merge_bar_init(uint64_t *bar, uint32_t bytes) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(a) : "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Step 3: one float into block 0's buffer at cluster address `addr`, its 4 bytes completing on
+// the mbarrier at cluster address `bar`.
+__device__ __forceinline__ void st_async(uint32_t addr, float v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];" ::"r"(addr), "f"(v),
+                 "r"(bar)
+                 : "memory");
+}
+// Step 3 in block 0: waits for the mbarrier's first phase (every expected byte landed), with
+// acquire semantics at cluster scope, so the other blocks' stores are visible after it.
+__device__ __forceinline__ void merge_bar_wait(uint64_t *bar) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(bar);
+    uint32_t done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n\t"
+            "selp.u32 %0, 1, 0, p;\n\t}"
+            : "=r"(done)
+            : "r"(a)
+            : "memory");
+    }
+}
 #else
 #define FERRUM_HAS_CLUSTER 0
 __device__ __forceinline__ uint32_t cluster_blocks() { return 1; }
 __device__ __forceinline__ uint32_t cluster_rank() { return 0; }
 __device__ __forceinline__ uint32_t cluster_map(const void *, uint32_t) { return 0; }
-__device__ __forceinline__ void st_cluster(uint32_t, float) {}
 __device__ __forceinline__ void cluster_arrive_relaxed() {}
-__device__ __forceinline__ void cluster_arrive_release() {}
 __device__ __forceinline__ void cluster_wait() {}
+__device__ __forceinline__ void merge_bar_init(uint64_t *, uint32_t) {}
+__device__ __forceinline__ void st_async(uint32_t, float, uint32_t) {}
+__device__ __forceinline__ void merge_bar_wait(uint64_t *) {}
 #endif
 
 #define ATTN_MAX_WARPS 8
@@ -394,6 +458,11 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     const int gl = lane % G, sub = lane / G;        // chunk of the row, row of the warp
     const int slots = nw * TPW, slot = warp * TPW + sub;
     const bool chunk_on = gl < CH;
+    // The timeline build's phase stamps (common.cuh; 0 and no code in every other build): 0 q
+    // (and the new row) in shared memory, 1 the early copies landed, 2 the walk done, 3 the
+    // block's partial summed and the cluster started, 4 the cluster's partials at block 0, 5
+    // the merged row stored (block 0 of each cluster).
+    const unsigned tl_on = FERRUM_TL_FLAG();
     // The dynamic shared memory: the cluster merge buffer (when the splits of each (token,
     // head) run as one cluster and the host gave the buffer), then the early copies.
     uint32_t dyn_bytes;
@@ -402,6 +471,10 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // Uniform over the launch (the launch shape, the cluster shape, the dynamic size).
     const bool cluster =
         FERRUM_HAS_CLUSTER && n_splits > 1 && cluster_blocks() == (uint32_t)n_splits && dyn_bytes >= mrg_bytes;
+    // Step 0 (block 0 of each cluster) and step 1.
+    __shared__ uint64_t s_mbar;
+    const bool merger = cluster && cluster_rank() == 0;
+    if (merger && threadIdx.x == 0) merge_bar_init(&s_mbar, (uint32_t)(n_splits - 1) * (HD + 2) * 4u);
     if (cluster) cluster_arrive_relaxed();  // step 1: this block has started
     float *s_mrg = reinterpret_cast<float *>(s_dyn);
     uint4 *s_early = s_dyn + (cluster ? mrg_bytes / 16 : 0);
@@ -517,8 +590,10 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         for (int d = threadIdx.x; d < HD; d += blockDim.x) s_q[d] = qh[d] * scale;
         __syncthreads();
     }
+    FERRUM_TL_PHASE(tl_on, 0, 0.0f);
     // This thread's early copies have landed (it reads back only the slots it copied).
     if (early) cp_early_wait();
+    FERRUM_TL_PHASE(tl_on, 1, 0.0f);
     float qv[8], acc[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -642,6 +717,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         m = mn;
         __syncwarp();  // s_p is rewritten by the next tile
     }
+    FERRUM_TL_PHASE(tl_on, 2, l + acc[7]);
     // 4. The block's partial: each warp's slots summed in slot order, weighted by exp(m_w - M).
     if (chunk_on) {
 #pragma unroll
@@ -664,7 +740,9 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     for (int w = 0; w < nw; ++w) L = fmaf(s_wl[w], weight(w), L);
     // Cluster step 2 (before the first remote store): every block of the cluster has started.
     if (cluster) cluster_wait();
+    FERRUM_TL_PHASE(tl_on, 3, L);
     const uint32_t mrg0 = cluster ? cluster_map(s_mrg, 0) : 0u;  // block 0's merge buffer
+    const uint32_t bar0 = cluster ? cluster_map(&s_mbar, 0) : 0u;  // and its mbarrier
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
         float A = 0.0f;
         for (int w = 0; w < nw; ++w) {
@@ -675,16 +753,21 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         }
         if (n_splits == 1) {
             out[(size_t)tok * heads * HD + h * HD + d] = L > 0.0f ? A / L : 0.0f;
+        } else if (merger) {
+            s_mrg[split * HD + d] = A;
         } else if (cluster) {
-            st_cluster(mrg0 + 4u * (uint32_t)(split * HD + d), A);
+            st_async(mrg0 + 4u * (uint32_t)(split * HD + d), A, bar0);
         } else {
             part_acc[(((size_t)tok * heads + h) * n_splits + split) * HD + d] = A;
         }
     }
     if (n_splits > 1 && threadIdx.x == 0) {
-        if (cluster) {
-            st_cluster(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split), M);
-            st_cluster(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split + 1), L);
+        if (merger) {
+            s_mrg[n_splits * HD + 2 * split] = M;
+            s_mrg[n_splits * HD + 2 * split + 1] = L;
+        } else if (cluster) {
+            st_async(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split), M, bar0);
+            st_async(mrg0 + 4u * (uint32_t)(n_splits * HD + 2 * split + 1), L, bar0);
         } else {
             float *ml = part_ml + (((size_t)tok * heads + h) * n_splits + split) * 2;
             ml[0] = M;
@@ -692,13 +775,14 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         }
     }
     if (cluster) {
-        // Step 3: the stores above are visible to block 0 once its wait returns.
-        cluster_arrive_release();
-        cluster_wait();
-        // Step 4 (s_p is free: this block's walk is over).
-        if (cluster_rank() == 0)
-            merge_rows<false>(out + ((size_t)tok * heads + h) * HD, s_mrg, s_mrg + n_splits * HD, HD, n_splits,
-                              s_p);
+        // Step 3: the other blocks are done (their bytes complete on block 0's mbarrier).
+        if (!merger) return;
+        __syncthreads();  // block 0's own partial, stored by its threads above
+        merge_bar_wait(&s_mbar);
+        FERRUM_TL_PHASE(tl_on, 4, 0.0f);
+        // Step 4.
+        merge_cluster_rows<HD>(out + ((size_t)tok * heads + h) * HD, s_mrg, s_mrg + n_splits * HD, n_splits);
+        FERRUM_TL_PHASE(tl_on, 5, 0.0f);
         return;
     }
     if (n_splits > 1 && counters != nullptr)

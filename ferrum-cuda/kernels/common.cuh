@@ -48,12 +48,16 @@ typedef __nv_bfloat16 bf16;
 // The atomics' results are unused (fire-and-forget reductions), so a stamp costs the block's
 // first thread a timer read and six reductions, and every thread a timer read before the wait
 // (FERRUM_PDL_ENTRY reads it before it knows which thread stamps).
+// Some kernels also stamp phases of their body (FERRUM_TL_PHASE below): the latest time a
+// stamped block's first thread reached phase k, complemented like last_not.
 #define FERRUM_TL_REPLAYS 64
 #define FERRUM_TL_NODES 4096
+#define FERRUM_TL_PHASES 6
 struct FerrumTlSlot {
     unsigned long long grid, first, last_not;
     unsigned blocks, pad;
     unsigned long long arrive_first, arrive_last_not;
+    unsigned long long phase_last_not[FERRUM_TL_PHASES];
 };
 __device__ FerrumTlSlot ferrum_tl[FERRUM_TL_REPLAYS * FERRUM_TL_NODES];
 __device__ unsigned ferrum_tl_on;
@@ -63,20 +67,40 @@ __device__ unsigned ferrum_tl_on;
 // kernel being measured.
 #define FERRUM_TL_FIRST_BLOCKS 8
 #define FERRUM_TL_EVERY 32
-__device__ __forceinline__ void ferrum_tl_stamp(unsigned on, unsigned long long arrived) {
-    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return;
+// This grid's slot of replay on - 1 when this thread stamps (the first thread of a stamped
+// block, while the host has armed a replay), else null; `t` gets the timer and `g` the grid id.
+// The timer read has a memory clobber, so the compiler keeps every memory access of the code
+// before it ahead.
+__device__ __forceinline__ FerrumTlSlot *ferrum_tl_slot(unsigned on, unsigned long long &t, unsigned long long &g) {
+    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return nullptr;
     const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    if (b >= FERRUM_TL_FIRST_BLOCKS && b % FERRUM_TL_EVERY != 0u) return;
-    unsigned long long t, g;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (b >= FERRUM_TL_FIRST_BLOCKS && b % FERRUM_TL_EVERY != 0u) return nullptr;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(g));
-    FerrumTlSlot *s = &ferrum_tl[((on - 1u) % FERRUM_TL_REPLAYS) * FERRUM_TL_NODES + (g % FERRUM_TL_NODES)];
+    return &ferrum_tl[((on - 1u) % FERRUM_TL_REPLAYS) * FERRUM_TL_NODES + (g % FERRUM_TL_NODES)];
+}
+__device__ __forceinline__ void ferrum_tl_stamp(unsigned on, unsigned long long arrived) {
+    unsigned long long t, g;
+    FerrumTlSlot *s = ferrum_tl_slot(on, t, g);
+    if (s == nullptr) return;
     s->grid = g;
     atomicMin(&s->first, t);
     atomicMin(&s->last_not, ~t);
     atomicAdd(&s->blocks, 1u);
     atomicMin(&s->arrive_first, arrived);
     atomicMin(&s->arrive_last_not, ~arrived);
+}
+// Phase k of a stamped block's body (its first thread; `on` is FERRUM_TL_FLAG() read by the
+// kernel at entry): the latest such time over the stamped blocks. A fire-and-forget reduction,
+// as above. `dep` is a value the phase computes last: the stamp branches on its bits (a test
+// that never holds for a value an FMA or a load from this kernel's own arithmetic gives: the
+// all-ones NaN), so the timer is read only once that value exists, wherever the compiler
+// schedules the arithmetic before it.
+__device__ __forceinline__ void ferrum_tl_phase(unsigned on, int k, float dep) {
+    if (__float_as_uint(dep) == 0xffffffffu) return;
+    unsigned long long t, g;
+    FerrumTlSlot *s = ferrum_tl_slot(on, t, g);
+    if (s != nullptr) atomicMin(&s->phase_last_not[k], ~t);
 }
 __device__ __forceinline__ unsigned long long ferrum_tl_now() {
     unsigned long long t;
@@ -85,6 +109,7 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 }
 #define FERRUM_TL_FLAG() (*(volatile unsigned *)&ferrum_tl_on)
 #define FERRUM_TL_NOW() ferrum_tl_now()
+#define FERRUM_TL_PHASE(on, k, dep) ferrum_tl_phase(on, k, dep)
 #else
 #define FERRUM_TL_FLAG() 0u
 #define FERRUM_TL_NOW() 0ull
@@ -103,6 +128,12 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 #define FERRUM_PDL_ENTRY() \
     do {                   \
     } while (0)
+#endif
+// Outside the timeline build the phase stamps compile to nothing.
+#ifndef FERRUM_TL_PHASE
+#undef FERRUM_TL_FLAG
+#define FERRUM_TL_FLAG() 0u
+#define FERRUM_TL_PHASE(on, k, dep) ((void)(on), (void)(k), (void)(dep))
 #endif
 
 __device__ __forceinline__ float to_f(f16 x) { return __half2float(x); }

@@ -126,6 +126,9 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     constexpr int OUT = GATEUP ? ROWS / 2 : ROWS, SUBS = 32 / LPR;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gl = lane % LPR, sub = lane / LPR;  // lane in its row group, the group in the warp
+    // The timeline build's phase stamps (common.cuh; 0 and no code in every other build): 0 the
+    // prefetched chunks' FMAs done, 1 the loop and warp sums, 2 the split-K sum, 3 the stores.
+    const unsigned tl_on = FERRUM_TL_FLAG();
     const int ks = blockDim.y, kw = threadIdx.y;  // split-K: warp kw of the group's ks
     const int wg = blockIdx.x * nw + warp;
     const int o0 = (wg * SUBS + sub) * OUT;
@@ -189,6 +192,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             const int c = gl + LPR * (kw + ks * u);
             if (c < n8) gemv_chunk<T, ROWS, NORM>(acc, ss, pre[u], x4, norm_w, c);
         }
+        FERRUM_TL_PHASE(tl_on, 0, acc[ROWS - 1]);
 #pragma unroll (GemvPrefetch<ROWS>::UNROLL)
         for (int c = gl + LPR * (kw + ks * PF); c < n8; c += LPR * ks) {
             uint4 wv[ROWS];
@@ -210,6 +214,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = group_sum<LPR>(acc[r]);
     if (NORM) ss = group_sum<LPR>(ss);
+    FERRUM_TL_PHASE(tl_on, 1, acc[ROWS - 1]);
     if (LPR == 32 && ks > 1) {
         // The group's ks warp sums, added in k order by warp 0 of the group. Named barrier
         // 1 + warp (0 is __syncthreads') over the group's ks * 32 threads only: every group of
@@ -235,6 +240,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             ss = a;
         }
     }
+    FERRUM_TL_PHASE(tl_on, 2, acc[ROWS - 1]);
     if (NORM) {
         const float rn = rsqrtf(ss / (float)cols + eps);
 #pragma unroll
@@ -278,6 +284,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
             }
         }
     }
+    FERRUM_TL_PHASE(tl_on, 3, 0.0f);
 }
 
 // The `_push` entry points (plain y = W x, TP partials) take the rank's peer arguments first.

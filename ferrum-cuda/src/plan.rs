@@ -54,6 +54,46 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
     ks
 }
 
+/// [`gemv_split_k_for`], then raised to one 32-chunk column stripe per warp (`ceil(chunks / 32)`,
+/// at most `exact_max` and [`GEMV_MAX_KS`]) for shapes that already split (`ks > 1`) but
+/// leave some lanes two chunks, as long as the two-row warps stay within the split's own target
+/// (`warps_per_sm` a multiprocessor). After its programmatic-launch wait a GEMV lane reads x
+/// chunk by chunk (gemv.cu: one branch per chunk), so a lane with two chunks waits two
+/// dependent L2 round trips before its warp can reduce, one with one chunk waits one
+/// (`scripts/microbench/postwait.cu`, session 26 call 1: a 132-block step took 1.36 µs with the
+/// second chunk's loads behind the first's FMAs, 1.06 with both issued together). The split
+/// need not be a power of two (the kernels take any `ks` up to [`GEMV_MAX_KS`]). Among the
+/// benchmark models only SmolLM2-135M's shapes change: qkv and o (576 columns, 72 chunks) split
+/// 3 ways instead of 2, down (1536 columns) 6 instead of 4; its gate|up (3072 rows) would need
+/// 4608 warps at 3 and keeps 2. Measured on one H200 (session 26 call 1, with gate|up at 3
+/// too): 135M 2520 / 2527 / 2525 tok/s against 2481 / 2485 / 2486, alternating; the kernel
+/// timeline's o projection 2.32 → 1.78 µs, down 1.85 → 1.78, qkv 2.15 → 2.07, gate|up 2.46 →
+/// 2.70. Llama-3.2-1B's qkv and o raised to 8 (beyond the warp target) lost 2.6%. The
+/// `FERRUM_GEMV_KS_EXACT` knob sets `exact_max` (0: off).
+pub fn gemv_split_k_exact(
+    rows: usize,
+    cols: usize,
+    sms: usize,
+    max_ks: u32,
+    warps_per_sm: usize,
+    exact_max: u32,
+) -> u32 {
+    let ks = gemv_split_k_for(rows, cols, sms, max_ks, warps_per_sm);
+    let need = (cols / 8).div_ceil(32);
+    let cap = exact_max.min(max_ks.max(1)).min(GEMV_MAX_KS) as usize;
+    if ks > 1 && need > ks as usize && need <= cap && rows.div_ceil(2) * need <= warps_per_sm * sms {
+        need as u32
+    } else {
+        ks
+    }
+}
+
+/// `FERRUM_GEMV_KS_EXACT` (`None` when unset: [`GEMV_MAX_KS`]): the largest split-K factor
+/// [`gemv_split_k_exact`] may raise a shape's split to, 0..=[`GEMV_MAX_KS`] (0 or 1: off).
+pub fn gemv_ks_exact(value: Option<&str>) -> crate::Result<u32> {
+    Ok(knob("FERRUM_GEMV_KS_EXACT", value, 0, GEMV_MAX_KS as usize)?.map_or(GEMV_MAX_KS, |n| n as u32))
+}
+
 /// The most outputs one multiprocessor computes when a GEMV of `outputs` outputs is launched as
 /// `blocks` blocks of `per_block` outputs each on `sms` multiprocessors (blocks spread evenly:
 /// some multiprocessors get `ceil(blocks / sms)`). The start-up tuning times only the launch
@@ -611,6 +651,31 @@ mod tests {
         // o projection (8 stripes: one a warp at 8) stays at 4.
         assert_eq!(gemv_split_k(2048, 8192, H200_SMS, 8), 8);
         assert_eq!(gemv_split_k(2048, 2048, H200_SMS, 8), 4);
+        // One stripe a warp (FERRUM_GEMV_KS_EXACT): SmolLM2-135M's 72 and 192 chunks split 3
+        // and 6 ways; its gate|up (3072 weight rows) would exceed the warp target at 3; a shape
+        // that does not split, or whose stripes need more warps than the knob or the target
+        // allow, keeps its split.
+        let exact = |rows, cols, max| gemv_split_k_exact(rows, cols, H200_SMS, GEMV_MAX_KS, GEMV_WARPS_PER_SM, max);
+        assert_eq!(exact(960, 576, 8), 3);
+        assert_eq!(exact(576, 576, 8), 3);
+        assert_eq!(exact(3072, 576, 8), 2);
+        assert_eq!(exact(576, 1536, 8), 6);
+        assert_eq!(exact(576, 1536, 5), 4);
+        assert_eq!(exact(576, 1536, 0), 4);
+        assert_eq!(exact(960, 576, 1), 2);
+        assert_eq!(exact(49152, 576, 8), 1);
+        // Llama-3.2-1B: qkv and o would need 8 (12288 and 8192 warps), down already splits 8.
+        assert_eq!(exact(3072, 2048, 8), 4);
+        assert_eq!(exact(2048, 2048, 8), 4);
+        assert_eq!(exact(2048, 8192, 8), 8);
+        assert_eq!(exact(64, 128, 8), 1);
+        // The split-K cap (FERRUM_GEMV_SPLIT_K) bounds it too.
+        assert_eq!(gemv_split_k_exact(576, 1536, H200_SMS, 4, GEMV_WARPS_PER_SM, 8), 4);
+        assert_eq!(gemv_split_k_exact(576, 576, H200_SMS, 4, GEMV_WARPS_PER_SM, 8), 3);
+        assert_eq!(gemv_ks_exact(None).unwrap(), GEMV_MAX_KS);
+        assert_eq!(gemv_ks_exact(Some("0")).unwrap(), 0);
+        assert_eq!(gemv_ks_exact(Some("6")).unwrap(), 6);
+        assert!(gemv_ks_exact(Some("9")).unwrap_err().to_string().contains("FERRUM_GEMV_KS_EXACT"));
         // Always a power of two in 1..=GEMV_MAX_KS, whatever the cap.
         for rows in [1, 7, 100, 1000, 5000, 100_000] {
             for cols in [8, 256, 1000, 4096, 20_000] {

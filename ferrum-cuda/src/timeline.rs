@@ -20,9 +20,17 @@
 pub const REPLAYS: usize = 64;
 /// Slots per replay row (common.cuh's `FERRUM_TL_NODES`): grid ids are taken modulo this.
 pub const NODES: usize = 4096;
+/// Phases of a kernel body that the timeline build can stamp (common.cuh's
+/// `FERRUM_TL_PHASES`; the GEMVs stamp 4, the fused decode attention 6: gemv.cu and
+/// attention.cu list them).
+pub const PHASES: usize = 6;
+/// One position of the repeating layer: its kernel's name, its mean cost (ns) and the mean time
+/// of each phase its body stamps (ns after its earliest release; [`layer_phases`]).
+pub type LayerKernel = (String, f64, [Option<f64>; PHASES]);
+
 /// Bytes per slot: `grid: u64, first: u64, last_not: u64, blocks: u32, pad: u32,
-/// arrive_first: u64, arrive_last_not: u64`.
-pub const SLOT_BYTES: usize = 48;
+/// arrive_first: u64, arrive_last_not: u64, phase_last_not: [u64; PHASES]`.
+pub const SLOT_BYTES: usize = 48 + 8 * PHASES;
 
 /// One grid's stamps.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +49,9 @@ pub struct GridStamp {
     /// Latest arrival at the wait (ns): later than `first_ns` when a block was dispatched after
     /// the kernel before had completed, or its pre-wait path outlasted that kernel.
     pub arrive_last_ns: u64,
+    /// The latest time a stamped block's first thread reached phase k of the kernel's body
+    /// (ns; 0: the kernel has no such phase, or no stamped block reached it).
+    pub phase_last_ns: [u64; PHASES],
 }
 
 fn u64_at(b: &[u8], at: usize) -> u64 {
@@ -69,6 +80,8 @@ pub fn parse_table(bytes: &[u8]) -> Vec<Vec<GridStamp>> {
                         blocks,
                         arrive_first_ns: u64_at(s, 32),
                         arrive_last_ns: !u64_at(s, 40),
+                        // Reset to all-ones: complemented, an unstamped phase reads 0.
+                        phase_last_ns: std::array::from_fn(|k| !u64_at(s, 48 + 8 * k)),
                     })
                 })
                 .collect()
@@ -98,6 +111,11 @@ pub struct KernelTime {
     /// Sum of its latest arrival at the wait minus its earliest release (ns; positive: a block
     /// arrived after the release, late dispatch or a long pre-wait path).
     pub arrive_last_sum_ns: f64,
+    /// Sum over the replays that stamped phase k of its latest time minus the earliest release
+    /// (ns), and how many replays did.
+    pub phase_sum_ns: [f64; PHASES],
+    /// See `phase_sum_ns`.
+    pub phase_samples: [usize; PHASES],
     /// Blocks that stamped, in the last replay that stamped it (see [`GridStamp::blocks`]).
     pub blocks: u32,
     /// Replays in which it stamped.
@@ -117,6 +135,13 @@ impl KernelTime {
     /// release (ns).
     pub fn arrivals_ns(&self) -> (f64, f64) {
         (self.per_sample(self.arrive_first_sum_ns), self.per_sample(self.arrive_last_sum_ns))
+    }
+    /// Mean time from its earliest release to the latest stamped block's phase k (ns), for the
+    /// phases its body stamps.
+    pub fn phases_ns(&self) -> [Option<f64>; PHASES] {
+        std::array::from_fn(|k| {
+            (self.phase_samples[k] > 0).then(|| self.phase_sum_ns[k] / self.phase_samples[k] as f64)
+        })
     }
     fn per_sample(&self, sum: f64) -> f64 {
         if self.samples > 0 {
@@ -173,6 +198,10 @@ impl StepTimeline {
             a.spread_sum_ns += b.spread_sum_ns;
             a.arrive_first_sum_ns += b.arrive_first_sum_ns;
             a.arrive_last_sum_ns += b.arrive_last_sum_ns;
+            for k in 0..PHASES {
+                a.phase_sum_ns[k] += b.phase_sum_ns[k];
+                a.phase_samples[k] += b.phase_samples[k];
+            }
             a.samples += b.samples;
             if b.samples > 0 {
                 a.blocks = b.blocks;
@@ -235,6 +264,12 @@ pub fn step_timeline(rows: &[Vec<GridStamp>], names: &[String]) -> StepTimeline 
             // where an f64 resolves only 256 ns.
             kt.arrive_first_sum_ns += s.arrive_first_ns.wrapping_sub(s.first_ns) as i64 as f64;
             kt.arrive_last_sum_ns += s.arrive_last_ns.wrapping_sub(s.first_ns) as i64 as f64;
+            for (k, &p) in s.phase_last_ns.iter().enumerate() {
+                if p != 0 {
+                    kt.phase_sum_ns[k] += p.wrapping_sub(s.first_ns) as i64 as f64;
+                    kt.phase_samples[k] += 1;
+                }
+            }
             kt.blocks = s.blocks;
             kt.samples += 1;
             if let Some(n) = row.get(i + 1) {
@@ -272,6 +307,16 @@ pub fn layer_period(names: &[String]) -> Option<(usize, usize)> {
 /// but the first and the last, whose neighbours differ), as `(name, mean ns)` from the
 /// attention on; `None` when [`layer_period`] finds no layer or no replay was mapped.
 pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
+    Some(layer_means(t)?.into_iter().map(|(n, m, _)| (n, m)).collect())
+}
+
+/// [`layer_profile`] with each position's mean phase times too (ns after its earliest release,
+/// over the middle layers that stamped the phase: [`KernelTime::phases_ns`]).
+pub fn layer_phases(t: &StepTimeline) -> Option<Vec<LayerKernel>> {
+    layer_means(t)
+}
+
+fn layer_means(t: &StepTimeline) -> Option<Vec<LayerKernel>> {
     if t.replays == 0 {
         return None;
     }
@@ -281,15 +326,23 @@ pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
     let mut out = Vec::with_capacity(p);
     for j in 0..p {
         let (mut sum, mut n) = (0.0, 0usize);
+        let (mut ph, mut phn) = ([0.0f64; PHASES], [0usize; PHASES]);
         // Layers 1 .. layers - 1 (their attention at start + (l - 1) p).
         for l in 0..layers.saturating_sub(2) {
-            let i = start + j + l * p;
-            if let Some(m) = t.kernels.get(i).and_then(KernelTime::mean_ns) {
+            let Some(kt) = t.kernels.get(start + j + l * p) else { continue };
+            if let Some(m) = kt.mean_ns() {
                 sum += m;
                 n += 1;
             }
+            for (k, v) in kt.phases_ns().iter().enumerate() {
+                if let Some(v) = v {
+                    ph[k] += v;
+                    phn[k] += 1;
+                }
+            }
         }
-        out.push((names[start + j].clone(), if n > 0 { sum / n as f64 } else { f64::NAN }));
+        let phases = std::array::from_fn(|k| (phn[k] > 0).then(|| ph[k] / phn[k] as f64));
+        out.push((names[start + j].clone(), if n > 0 { sum / n as f64 } else { f64::NAN }, phases));
     }
     Some(out)
 }
@@ -322,13 +375,21 @@ mod tests {
         s
     }
 
+    fn slot_phases(base: [u8; SLOT_BYTES], phases: &[(usize, u64)]) -> [u8; SLOT_BYTES] {
+        let mut s = base;
+        for &(k, t) in phases {
+            s[48 + 8 * k..56 + 8 * k].copy_from_slice(&(!t).to_le_bytes());
+        }
+        s
+    }
+
     #[test]
     fn a_reset_table_has_no_stamps_and_stamped_slots_parse_per_replay_row() {
         let mut t = vec![0xffu8; 2 * NODES * SLOT_BYTES];
         assert!(parse_table(&t).iter().all(Vec::is_empty));
         let at = |row: usize, slot: usize| (row * NODES + slot) * SLOT_BYTES;
         t[at(1, 9)..at(1, 10)].copy_from_slice(&slot(9, 300, 300, 1, (290, 290)));
-        t[at(1, 5)..at(1, 6)].copy_from_slice(&slot(4101, 100, 250, 3, (40, 240)));
+        t[at(1, 5)..at(1, 6)].copy_from_slice(&slot_phases(slot(4101, 100, 250, 3, (40, 240)), &[(0, 400), (5, 900)]));
         let rows = parse_table(&t);
         assert_eq!(rows.len(), 2);
         assert!(rows[0].is_empty());
@@ -341,7 +402,8 @@ mod tests {
                     last_ns: 300,
                     blocks: 1,
                     arrive_first_ns: 290,
-                    arrive_last_ns: 290
+                    arrive_last_ns: 290,
+                    phase_last_ns: [0; PHASES]
                 },
                 GridStamp {
                     grid: 4101,
@@ -349,7 +411,8 @@ mod tests {
                     last_ns: 250,
                     blocks: 3,
                     arrive_first_ns: 40,
-                    arrive_last_ns: 240
+                    arrive_last_ns: 240,
+                    phase_last_ns: [400, 0, 0, 0, 0, 900]
                 },
             ]
         );
@@ -368,6 +431,7 @@ mod tests {
             blocks,
             arrive_first_ns: first_ns.saturating_sub(50),
             arrive_last_ns: last_ns,
+            phase_last_ns: [0; PHASES],
         }
     }
 
@@ -416,10 +480,16 @@ mod tests {
             blocks: 2,
             arrive_first_ns: t0 - 70,
             arrive_last_ns: t0 + 30,
+            phase_last_ns: [t0 + 310, 0, t0 + 1200, 0, 0, 0],
         };
         let t = step_timeline(&[vec![st]], &names(&["k"]));
         assert_eq!(t.kernels[0].arrivals_ns(), (-70.0, 30.0));
         assert_eq!(t.kernels[0].spread_ns(), 40.0);
+        assert_eq!(t.kernels[0].phases_ns(), [Some(310.0), None, Some(1200.0), None, None, None]);
+        // Phases merge by sums and counts like the rest.
+        let mut m = t.clone();
+        m.merge(&t).unwrap();
+        assert_eq!(m.kernels[0].phases_ns(), t.kernels[0].phases_ns());
     }
 
     #[test]
@@ -445,6 +515,14 @@ mod tests {
         assert_eq!(lp.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["attn_x", "o", "gu", "down", "qkv"]);
         // Node i costs 10 ((i+1)^2 - i^2) = 10 (2i + 1); layers 1 and 2 (attention at 7, 12).
         assert_eq!(lp[0].1, (10.0 * 15.0 + 10.0 * 25.0) / 2.0);
+        // Phases: the attention of layer 1 (node 7) stamped phase 1 at +100 ns, layer 2's (node
+        // 12) at +300; layer 0's (node 2, not a middle layer) is left out.
+        let mut st2 = st.clone();
+        for (i, d) in [(2usize, 900u64), (7, 100), (12, 300)] {
+            st2[i].phase_last_ns[1] = st2[i].first_ns + d;
+        }
+        let lph = layer_phases(&step_timeline(std::slice::from_ref(&st2), &nm)).unwrap();
+        assert_eq!((lph[0].1, lph[0].2[1], lph[0].2[0], lph[1].2[1]), (lp[0].1, Some(200.0), None, None));
         // A kernel that does not stamp (session 24: the TP vocab split's peer all-reduce): no
         // replay maps, the first row says how many stamps it had, and there is no layer.
         let t = step_timeline(&[st[..st.len() - 1].to_vec()], &nm);

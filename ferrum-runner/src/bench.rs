@@ -148,13 +148,18 @@ struct TimelineReport {
     out_of_order: usize,
     /// Grid ids of the first mapped replay's first kernels.
     first_grids: Vec<u64>,
-    /// The repeating layer over the middle layers: (kernel, mean µs), from the attention on.
-    layer: Option<Vec<(String, f64)>>,
+    /// The repeating layer over the middle layers, from the attention on: each kernel's mean
+    /// cost (µs) and the mean time of each phase its body stamps (µs after its earliest
+    /// release; `None` where it stamps none).
+    layer: Option<Vec<LayerRow>>,
     /// Every kernel node of the step in graph order: name, mean µs, spread of its blocks'
     /// wait releases in µs, their earliest and latest arrival at the wait in µs after the
     /// earliest release, blocks that stamped (the first 8 and every 32nd).
     kernels: Vec<TimelineKernel>,
 }
+
+/// One kernel of the middle layer: name, mean µs, each phase's mean µs after its release.
+type LayerRow = (String, f64, Vec<Option<f64>>);
 
 #[derive(Debug, Serialize)]
 struct TimelineKernel {
@@ -164,6 +169,8 @@ struct TimelineKernel {
     /// The stamped blocks' earliest and latest arrival at the wait, µs after the earliest
     /// release (negative: before it).
     arrive_us: (f64, f64),
+    /// The mean time of each phase its body stamps, µs after the earliest release.
+    phases_us: Vec<Option<f64>>,
     stamped_blocks: u32,
 }
 
@@ -175,7 +182,9 @@ fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
         first_unmapped: t.first_unmapped,
         out_of_order: t.out_of_order,
         first_grids: t.first_grids.clone(),
-        layer: ferrum_cuda::timeline::layer_profile(t).map(|l| l.into_iter().map(|(n, v)| (n, v / 1e3)).collect()),
+        layer: ferrum_cuda::timeline::layer_phases(t).map(|l| {
+            l.into_iter().map(|(n, v, ph)| (n, v / 1e3, ph.iter().map(|p| p.map(|p| p / 1e3)).collect())).collect()
+        }),
         kernels: t
             .kernels
             .iter()
@@ -184,6 +193,7 @@ fn timeline_report(t: &ferrum_cuda::timeline::StepTimeline) -> TimelineReport {
                 mean_us: k.mean_ns().map(|n| n / 1e3),
                 spread_us: k.spread_ns() / 1e3,
                 arrive_us: (k.arrivals_ns().0 / 1e3, k.arrivals_ns().1 / 1e3),
+                phases_us: k.phases_ns().iter().map(|p| p.map(|p| p / 1e3)).collect(),
                 stamped_blocks: k.blocks,
             })
             .collect(),
@@ -406,10 +416,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 );
             }
             if let Some(layer) = &t.layer {
-                let total: f64 = layer.iter().map(|(_, v)| v).sum();
-                println!("  one middle layer, {total:.2} µs (mean over the middle layers):");
-                for (name, v) in layer {
-                    println!("    {name:<40} {v:>7.2} µs");
+                let total: f64 = layer.iter().map(|(_, v, _)| v).sum();
+                println!(
+                    "  one middle layer, {total:.2} µs (mean over the middle layers; then the phases its body \
+                     stamps, µs after its earliest release: gemv.cu and attention.cu list them):"
+                );
+                for (name, v, ph) in layer {
+                    let ph: Vec<String> =
+                        ph.iter().enumerate().filter_map(|(k, p)| p.map(|p| format!("{k}:{p:.2}"))).collect();
+                    let ph = if ph.is_empty() { String::new() } else { format!("  phases {}", ph.join(" ")) };
+                    println!("    {name:<40} {v:>7.2} µs{ph}");
                 }
             }
             println!(

@@ -22,7 +22,7 @@
 //               and waited for after it (the decode attention's pattern, which costs nothing
 //               there): does an async copy in flight at the wait cost anything?
 // Each figure is the graph's time divided by STEPS, the median of REPS launches.
-// Not yet run (written in session 25, after the device time was spent).
+// Run in session 26 call 1 (docs/bench/2026-12-01-session26/call1-postwait.txt, docs/PERF.md).
 #include <cuda_runtime.h>
 
 #include <algorithm>

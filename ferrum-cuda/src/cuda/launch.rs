@@ -330,6 +330,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_GEMV_SPLIT_K`: the largest GEMV split-K factor (1 turns split-K off; default
     /// `plan::GEMV_MAX_KS`).
     pub(crate) gemv_max_ks: u32,
+    /// `FERRUM_GEMV_KS_EXACT`: the largest split that `plan::gemv_split_k_exact` may raise a
+    /// shape's split-K to (one column stripe per warp; 0: off).
+    pub(crate) gemv_ks_exact: u32,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -490,6 +493,7 @@ impl Kernels {
         let attn_splits = knob("FERRUM_ATTN_SPLITS", 1, crate::plan::MAX_SPLITS)?;
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT")?.as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K")?.as_deref())?;
+        let gemv_ks_exact = crate::plan::gemv_ks_exact(env("FERRUM_GEMV_KS_EXACT")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
@@ -528,6 +532,7 @@ impl Kernels {
             ?attn_splits,
             ?gemv_variant,
             gemv_max_ks,
+            gemv_ks_exact,
             gemv_warps_per_sm,
             ?gemv_lanes,
             attn_tc_min_capacity,
@@ -551,6 +556,7 @@ impl Kernels {
             attn_splits,
             gemv_variant,
             gemv_max_ks,
+            gemv_ks_exact,
             gemv_warps_per_sm,
             gemv_lanes,
             attn_tc_min_capacity,
@@ -625,6 +631,13 @@ impl Kernels {
         for m in &self.modules {
             let t = self.timeline_global(m, "ferrum_tl")?;
             let bytes = self.stream.clone_dtoh(&t).map_err(Error::driver("reading the timeline table"))?;
+            let want = crate::timeline::REPLAYS * crate::timeline::NODES * crate::timeline::SLOT_BYTES;
+            if bytes.len() != want {
+                return Err(Error::InvalidArgument(format!(
+                    "the timeline table holds {} bytes, this build reads {want}: rebuild the PTX with `cargo xtask ptx --timeline`",
+                    bytes.len()
+                )));
+            }
             for (i, r) in crate::timeline::parse_table(&bytes).into_iter().enumerate() {
                 if rows.len() <= i {
                     rows.resize_with(i + 1, Vec::new);

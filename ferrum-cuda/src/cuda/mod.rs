@@ -3,7 +3,7 @@ mod launch;
 pub mod peer;
 
 use crate::error::{Error, Result};
-use crate::plan::{attn_splits, attn_splits_tc, attn_warps, gemv_split_k_for, MAX_SPLITS};
+use crate::plan::{attn_splits, attn_splits_tc, attn_warps, gemv_split_k_exact, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -1280,6 +1280,21 @@ impl CudaDecodeRunner {
         }
     }
 
+    /// For tests: recomputes every tuned GEMV shape's split-K factor as
+    /// `FERRUM_GEMV_KS_EXACT=max` would have chosen it at start-up (`plan::gemv_split_k_exact`),
+    /// keeping each shape's launch variant. A shape whose split changes rounds differently (its
+    /// stripes are summed in another grouping), so the result is checked against the CPU
+    /// reference, not against the other splits' bits.
+    #[doc(hidden)]
+    pub fn force_gemv_ks_exact(&mut self, max: u32) {
+        self.generation += 1;
+        self.k.gemv_ks_exact = max;
+        for (&(rows, cols, gateup), e) in self.k.gemv_table.iter_mut() {
+            let rows = if gateup { 2 * rows } else { rows };
+            e.ks = gemv_split_k_exact(rows, cols, self.sms, self.k.gemv_max_ks, self.k.gemv_warps_per_sm, max);
+        }
+    }
+
     /// Turns the decode-step fusions on or off (see [`Fusion`]; default all on, `FERRUM_FUSE=0`
     /// turns all off at start-up). For tests and A/B benchmarks. A captured step depends on
     /// them (its [`DeviceStepKey`] changes).
@@ -1414,7 +1429,8 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
     // variants timed below all share it, so the choice changes speed only.
     let ks_of = |rows: usize, cols: usize, gateup: bool| {
-        gemv_split_k_for(if gateup { 2 * rows } else { rows }, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm)
+        let rows = if gateup { 2 * rows } else { rows };
+        gemv_split_k_exact(rows, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm, k.gemv_ks_exact)
     };
     if let Some(i) = k.gemv_variant {
         // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
