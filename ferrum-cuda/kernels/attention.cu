@@ -157,9 +157,11 @@ __device__ __forceinline__ void merge_rows(float *out_row, const float *acc, con
 // own shared memory, head dim HD): every thread reads the n_splits (max, sum) pairs itself
 // (broadcast reads) and computes M, the weights and L in registers, so the merge is one chain
 // of loads and arithmetic per thread, with no warp reduction, shared scratch or block barrier
-// between them (merge_rows' first-warp phase and barrier took ~1 µs of a 135M layer's
-// attention in the kernel timeline's phase stamps, session 26 call 3). The same operations in
-// the same order as merge_rows (M is a maximum, exact in any order), so bit-identical.
+// between them (the whole merge took 1.02 µs of a 135M layer's attention in the kernel
+// timeline's phase stamps with merge_rows, session 26 call 3, and 0.62 in this form, call 4).
+// The same operations in the same order as merge_rows (M is a maximum, exact in any order), so
+// bit-identical. At most ATTN_MAX_CLUSTER splits: the host clusters no more
+// (plan::attn_cluster, the portable cluster size); more would be left out here.
 template <int HD>
 __device__ __forceinline__ void merge_cluster_rows(float *out_row, const float *acc, const float *ml, int n_splits) {
     float M = FERRUM_NEG_INF;
@@ -232,7 +234,9 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 //    and block 0's mbarrier is initialised;
 // 3. each other block stores its partial into its split's slot of block 0's merge buffer with
 //    st.async, each store completing its bytes on block 0's mbarrier, and exits: none of its
-//    own shared memory is read by anyone. Block 0 stores its own partial locally, passes a
+//    own shared memory is read by anyone. (Its stores may still be in flight when it exits;
+//    the PTX ISA ties st.async to the target block's lifetime, which block 0's wait covers, and
+//    says nothing against the source exiting: the GPU tests merge correctly this way.) Block 0 stores its own partial locally, passes a
 //    block barrier, and waits (acquire, cluster scope) for the mbarrier's phase: then every
 //    block's bytes have landed and are visible to it;
 // 4. block 0 merges from its own shared memory.
@@ -460,8 +464,9 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     const bool chunk_on = gl < CH;
     // The timeline build's phase stamps (common.cuh; 0 and no code in every other build): 0 q
     // (and the new row) in shared memory, 1 the early copies landed, 2 the walk done, 3 the
-    // block's partial summed and the cluster started, 4 the cluster's partials at block 0, 5
-    // the merged row stored (block 0 of each cluster).
+    // block's (M, L) computed and the cluster started (its partial is summed after this, as
+    // it is stored), 4 the cluster's partials at block 0, 5 the merged row stored (block 0 of
+    // each cluster).
     const unsigned tl_on = FERRUM_TL_FLAG();
     // The dynamic shared memory: the cluster merge buffer (when the splits of each (token,
     // head) run as one cluster and the host gave the buffer), then the early copies.

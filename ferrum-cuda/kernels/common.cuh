@@ -92,11 +92,14 @@ __device__ __forceinline__ void ferrum_tl_stamp(unsigned on, unsigned long long 
 }
 // Phase k of a stamped block's body (its first thread; `on` is FERRUM_TL_FLAG() read by the
 // kernel at entry): the latest such time over the stamped blocks. A fire-and-forget reduction,
-// as above. `dep` is a value the phase computes last: the stamp branches on its bits (a test
-// that never holds for a value an FMA or a load from this kernel's own arithmetic gives: the
-// all-ones NaN), so the timer is read only once that value exists, wherever the compiler
-// schedules the arithmetic before it.
+// as above. `dep` is a value the phase computes last, where there is one (0.0f where the
+// phase ends at a barrier or a store, which the timer read's memory clobber keeps ahead): the
+// stamp branches on its bits (a test that never holds for a value an FMA or a load from this
+// kernel's own arithmetic gives: the all-ones NaN), so the timer is read only once that value
+// exists, wherever the compiler schedules the arithmetic before it.
 __device__ __forceinline__ void ferrum_tl_phase(unsigned on, int k, float dep) {
+    // The stamping thread only (the test on dep would otherwise hold every thread).
+    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return;
     if (__float_as_uint(dep) == 0xffffffffu) return;
     unsigned long long t, g;
     FerrumTlSlot *s = ferrum_tl_slot(on, t, g);

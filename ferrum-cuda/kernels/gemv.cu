@@ -29,7 +29,7 @@ __device__ __forceinline__ float silu_mul_f(float g, float u) { return g / (1.0f
 // plain layout. Shapes with few rows get KS > 1 so that enough warps stream W to keep the
 // memory busy (the host picks KS from the shape, the multiprocessor count, the
 // FERRUM_GEMV_SPLIT_K cap and the FERRUM_GEMV_WARPS_PER_SM target, never from timing:
-// plan::gemv_split_k_for).
+// plan::gemv_split_k_exact; any KS up to GEMV_MAX_KS works, 3 and 6 included).
 // GATEUP = false: warp w computes rows ROWS*w .. ROWS*w + ROWS - 1 of y = W x (`rows` rows).
 // GATEUP = true: W is [gate; up] with `rows` rows each; warp w computes OUT = ROWS/2 outputs
 // o = OUT*w + j: gate row o and up row rows + o, and writes y[o] = silu(gate . x) * (up . x)

@@ -4,8 +4,10 @@
 //! them.
 
 /// Largest GEMV split-K factor: gemv.cu's shared slots hold `GEMV_MAX_KS` (8) warps per row
-/// group (a split of 8 makes every block one row group of 8 warps). Splits past 4 also need
-/// [`GEMV_KS8_MIN_STRIPES`] stripes a warp. The `FERRUM_GEMV_SPLIT_K` knob lowers the cap.
+/// group (a split of 8 makes every block one row group of 8 warps). [`gemv_split_k_for`]'s
+/// splits past 4 also need [`GEMV_KS8_MIN_STRIPES`] stripes a warp; [`gemv_split_k_exact`] may
+/// then raise a split to one stripe a warp (up to 8) where the warp target allows. The
+/// `FERRUM_GEMV_SPLIT_K` knob lowers the cap.
 pub const GEMV_MAX_KS: u32 = 8;
 /// Column stripes (of 32 chunks) each warp keeps at a split past 4: a split of 8 only for rows
 /// of 8192 columns or more. Measured on one H200 (session 21, the kernel timeline of
@@ -68,8 +70,11 @@ pub fn gemv_split_k_for(rows: usize, cols: usize, sms: usize, max_ks: u32, warps
 /// 4608 warps at 3 and keeps 2. Measured on one H200 (session 26 call 1, with gate|up at 3
 /// too): 135M 2520 / 2527 / 2525 tok/s against 2481 / 2485 / 2486, alternating; the kernel
 /// timeline's o projection 2.32 → 1.78 µs, down 1.85 → 1.78, qkv 2.15 → 2.07, gate|up 2.46 →
-/// 2.70. Llama-3.2-1B's qkv and o raised to 8 (beyond the warp target) lost 2.6%. The
-/// `FERRUM_GEMV_KS_EXACT` knob sets `exact_max` (0: off).
+/// 2.70. Llama-3.2-1B's qkv and o raised to 8 (beyond the warp target) lost 2.6%. Unlike
+/// [`gemv_split_k_for`] it may split past 4 with one stripe a warp (a 512 × 2048 shape splits
+/// 8 ways), which [`GEMV_KS8_MIN_STRIPES`] keeps the plain rule from: session 21 measured
+/// Llama-3.2-1B's o projection slower at 8 with one stripe a warp, a shape the warp target now
+/// keeps at 4. The `FERRUM_GEMV_KS_EXACT` knob sets `exact_max` (0: off).
 pub fn gemv_split_k_exact(
     rows: usize,
     cols: usize,
@@ -89,7 +94,8 @@ pub fn gemv_split_k_exact(
 }
 
 /// `FERRUM_GEMV_KS_EXACT` (`None` when unset: [`GEMV_MAX_KS`]): the largest split-K factor
-/// [`gemv_split_k_exact`] may raise a shape's split to, 0..=[`GEMV_MAX_KS`] (0 or 1: off).
+/// [`gemv_split_k_exact`] may raise a shape's split to, 0..=[`GEMV_MAX_KS`] (0, 1 or 2: off,
+/// since only a split of 2 or more is raised, and only past itself).
 pub fn gemv_ks_exact(value: Option<&str>) -> crate::Result<u32> {
     Ok(knob("FERRUM_GEMV_KS_EXACT", value, 0, GEMV_MAX_KS as usize)?.map_or(GEMV_MAX_KS, |n| n as u32))
 }

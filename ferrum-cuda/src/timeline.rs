@@ -486,10 +486,13 @@ mod tests {
         assert_eq!(t.kernels[0].arrivals_ns(), (-70.0, 30.0));
         assert_eq!(t.kernels[0].spread_ns(), 40.0);
         assert_eq!(t.kernels[0].phases_ns(), [Some(310.0), None, Some(1200.0), None, None, None]);
-        // Phases merge by sums and counts like the rest.
+        // Phases merge by sums and counts like the rest: a second recording with phase 0 at
+        // +510 and phase 1 stamped gives phase 0 the mean of both and phase 1 its one value.
+        let st2 = GridStamp { phase_last_ns: [t0 + 510, t0 + 90, 0, 0, 0, 0], ..st };
         let mut m = t.clone();
-        m.merge(&t).unwrap();
-        assert_eq!(m.kernels[0].phases_ns(), t.kernels[0].phases_ns());
+        m.merge(&step_timeline(&[vec![st2]], &names(&["k"]))).unwrap();
+        assert_eq!(m.kernels[0].phases_ns(), [Some(410.0), Some(90.0), Some(1200.0), None, None, None]);
+        assert_eq!(m.kernels[0].phase_samples, [2, 1, 1, 0, 0, 0]);
     }
 
     #[test]

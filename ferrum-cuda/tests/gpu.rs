@@ -995,11 +995,12 @@ fn exact_stripe_splits_match_reference() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-/// Every GEMV launch variant (2 or 4 rows a warp, 128 or 256 threads a block; at split-K 8 both
-/// block sizes are one row group of 8 warps) gives the same bits at every split-K factor: each
+/// Every GEMV launch variant (2 or 4 rows a warp, 128 or 256 threads a block, which hold
+/// `max(block / 32 / ks, 1)` row groups of `ks` warps: at split-K 8 both block sizes are one
+/// row group of 8 warps) gives the same bits at every split-K factor: each
 /// variant forced in turn (`force_gemv_variant`, `plan::GEMV_VARIANT_COUNT` of them) must give
 /// the same logits bits over a prefill and 12 decode steps. Each model's split-K factors on an
-/// H200 (`plan::gemv_split_k`, 132 multiprocessors) are asserted: "wide" 2 (qkv, o, gate|up, LM
+/// H200 (`plan::gemv_split_k_exact`, 132 multiprocessors) are asserted: "wide" 2 (qkv, o, gate|up, LM
 /// head) and 4 (down), "wide-mlp" 1 (gate|up), 2 and 8 (down), "odd" 1 and 4 (down), "wide4" 4
 /// for every projection (the `_norm` qkv and gate|up kernels at 4, as Llama-3.2-1B's qkv); rows
 /// of 256 to 8192 columns (2600: no multiple of a warp's 256-column stripe), row counts that

@@ -2,8 +2,9 @@
 // common.cuh's FERRUM_TIMELINE) reads it for every stamp, and its means are worth as much as the
 // tick allows. One thread reads the timer back to back ITERS times (and `clock64` beside it) and
 // the host prints the distinct nonzero steps between consecutive reads, with their counts; a
-// second launch has every multiprocessor's first thread read it once, to show how far apart
-// the multiprocessors' views of one instant lie (their spread against the launch's own).
+// second launch of one block per multiprocessor's worth has each block's first thread read it
+// once and prints the spread (block dispatch skew and any skew between the multiprocessors'
+// timers together: an upper bound on the latter).
 //
 // A stand-alone CUDA program (not part of the build; the GPU machine has nvcc):
 //   nvcc -O3 -arch=sm_90a -o /tmp/globaltimer scripts/microbench/globaltimer.cu && /tmp/globaltimer

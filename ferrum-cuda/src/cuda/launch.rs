@@ -382,7 +382,7 @@ pub(crate) enum GemvIo<'a> {
 /// How a batch-1 GEMV is launched: rows per warp (2 or 4), threads per block, and the split-K
 /// factor `ks` (warps sharing one row group, each over its own column stripes; see gemv.cu).
 /// For one `ks`, every variant computes each dot product in the same order, so all give
-/// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k_for` (the target of
+/// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k_exact` (the target of
 /// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`), and the runner times, per
 /// shape at start-up, the variants whose busiest multiprocessor has the least work or within
 /// `plan::GEMV_BALANCE_SLACK_PCT` of it (`plan::gemv_balanced`) and keeps the fastest.
