@@ -307,16 +307,12 @@ pub fn layer_period(names: &[String]) -> Option<(usize, usize)> {
 /// but the first and the last, whose neighbours differ), as `(name, mean ns)` from the
 /// attention on; `None` when [`layer_period`] finds no layer or no replay was mapped.
 pub fn layer_profile(t: &StepTimeline) -> Option<Vec<(String, f64)>> {
-    Some(layer_means(t)?.into_iter().map(|(n, m, _)| (n, m)).collect())
+    Some(layer_phases(t)?.into_iter().map(|(n, m, _)| (n, m)).collect())
 }
 
 /// [`layer_profile`] with each position's mean phase times too (ns after its earliest release,
 /// over the middle layers that stamped the phase: [`KernelTime::phases_ns`]).
 pub fn layer_phases(t: &StepTimeline) -> Option<Vec<LayerKernel>> {
-    layer_means(t)
-}
-
-fn layer_means(t: &StepTimeline) -> Option<Vec<LayerKernel>> {
     if t.replays == 0 {
         return None;
     }
