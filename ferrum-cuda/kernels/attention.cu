@@ -115,6 +115,25 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
 // cluster size).
 #define ATTN_MAX_CLUSTER 8
 
+// merge_rows' first step, by every thread of the block (blockDim.x >= 32): the first warp
+// computes the max M of the n_splits (max, sum) pairs at ml and each split's weight
+// exp(m_s - M) (0 for an empty split) into sw[s], and the sums into sw[n_splits + s]; then the
+// block barrier publishes them.
+__device__ __forceinline__ void merge_weights(const float *ml, int n_splits, float *sw) {
+    float *s_w = sw, *s_l = sw + n_splits;
+    if (threadIdx.x < 32) {
+        float M = FERRUM_NEG_INF;
+        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, __ldcg(ml + 2 * s));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));  // exact
+        for (int s = threadIdx.x; s < n_splits; s += 32) {
+            const float ms = __ldcg(ml + 2 * s);
+            s_w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
+            s_l[s] = __ldcg(ml + 2 * s + 1);
+        }
+    }
+    __syncthreads();
+}
 // Merges n_splits partials of one (token, head) into out_row[d] for d = threadIdx.x,
 // threadIdx.x + blockDim.x, ... < hd, in split order (so the result depends neither on which
 // block runs it, nor on its size, nor on where the partials lie). Split s's unnormalised sums
@@ -129,19 +148,8 @@ __device__ void rope_qkv(float *qkv, const T *bias, const T *q_norm, const T *k_
 // dim 128).
 __device__ __forceinline__ void merge_rows(float *out_row, const float *acc, const float *ml, int hd,
                                            int n_splits, float *sw) {
-    float *s_w = sw, *s_l = sw + n_splits;
-    if (threadIdx.x < 32) {
-        float M = FERRUM_NEG_INF;
-        for (int s = threadIdx.x; s < n_splits; s += 32) M = fmaxf(M, __ldcg(ml + 2 * s));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));  // exact
-        for (int s = threadIdx.x; s < n_splits; s += 32) {
-            const float ms = __ldcg(ml + 2 * s);
-            s_w[s] = ms == FERRUM_NEG_INF ? 0.0f : expf(ms - M);
-            s_l[s] = __ldcg(ml + 2 * s + 1);
-        }
-    }
-    __syncthreads();
+    const float *s_w = sw, *s_l = sw + n_splits;
+    merge_weights(ml, n_splits, sw);
     float L = 0.0f;
     for (int s = 0; s < n_splits; ++s) L = fmaf(s_l[s], s_w[s], L);
     for (int d = threadIdx.x; d < hd; d += blockDim.x) {
@@ -151,6 +159,34 @@ __device__ __forceinline__ void merge_rows(float *out_row, const float *acc, con
         for (int s = 0; s < n_splits; ++s) A = fmaf(__ldcg(a + (size_t)s * hd), s_w[s], A);
         out_row[d] = L > 0.0f ? A / L : 0.0f;
     }
+}
+
+// The combine kernel's form of merge_rows, one column per thread (blockDim.x >= hd): each
+// thread loads its column of the first COMBINE_PRE partials before the weights, so those
+// loads are in flight with the first warp's (max, sum) loads instead of after the block
+// barrier (one L2 round trip fewer). The same operations in the same order as merge_rows, so
+// bit-identical.
+#define COMBINE_PRE 32
+__device__ __forceinline__ void combine_rows(float *out_row, const float *acc, const float *ml, int hd,
+                                             int n_splits, float *sw) {
+    const float *s_w = sw, *s_l = sw + n_splits;
+    const int d = threadIdx.x;
+    const bool col = d < hd;
+    float pre[COMBINE_PRE];
+#pragma unroll
+    for (int s = 0; s < COMBINE_PRE; ++s) pre[s] = col && s < n_splits ? __ldcg(acc + (size_t)s * hd + d) : 0.0f;
+    merge_weights(ml, n_splits, sw);
+    if (!col) return;
+    float L = 0.0f;
+    for (int s = 0; s < n_splits; ++s) L = fmaf(s_l[s], s_w[s], L);
+    float A = 0.0f;
+#pragma unroll
+    for (int s = 0; s < COMBINE_PRE; ++s) {
+        if (s < n_splits) A = fmaf(pre[s], s_w[s], A);
+    }
+#pragma unroll 16
+    for (int s = COMBINE_PRE; s < n_splits; ++s) A = fmaf(__ldcg(acc + (size_t)s * hd + d), s_w[s], A);
+    out_row[d] = L > 0.0f ? A / L : 0.0f;
 }
 
 // The cluster merge's form of merge_rows (n_splits <= ATTN_MAX_CLUSTER partials in block 0's
@@ -947,6 +983,19 @@ __device__ __forceinline__ void pf_load_tile(T *smem, int st, const T *kc, const
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// Waits until at most n of this thread's cp.async groups are pending (n <= PF_MAX_STAGES - 2;
+// the count must be an immediate, hence the switch).
+#define PF_MAX_STAGES 6
+__device__ __forceinline__ void pf_wait_pending(int n) {
+    switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    }
+}
+
 // The A fragments of 16 query rows (HD wide, scaled by qs, rounded to the dtype): `qa` and `qb`
 // point at element 2 (lane % 4) of rows g and g + 8; a row whose flag is false is zeros (its
 // pointer is not read).
@@ -1170,7 +1219,8 @@ __device__ void attn_prefill(const float *q, int q_stride, const T *k_cache, con
 // G = heads / kv_heads q heads of one KV group as the rows of one warp's 16-row tile (G <= 16,
 // host-checked; rows G..15 are zeros), over one split of the cache. Each K/V row is read once
 // per group (the row-walking kernel above reads it once per q head), and the tiles stream
-// through shared memory with cp.async, one tile ahead, through the prefill kernel's tile step
+// through shared memory with cp.async, `stages - 1` tiles ahead (the first of them issued
+// before the programmatic-launch wait), through the prefill kernel's tile step
 // (pf_tile: same numerics). The host takes this path for long caches
 // (plan::attn_tensor_core), after rope_qkv: q is the roped qkv row.
 //
@@ -1183,19 +1233,36 @@ __device__ void attn_prefill(const float *q, int q_stride, const T *k_cache, con
 template <typename T, int HD>
 __device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                               float *out, float *part_acc, float *part_ml, const uint32_t *pos_base,
-                              int heads, int kv_heads, int capacity, float scale, T *smem) {
+                              int heads, int kv_heads, int capacity, float scale, int stages,
+                              bool allow_early, T *smem) {
     using L = PfLayout<HD>;
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int kvh = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
     const int G = heads / kv_heads;
-    const uint32_t pos = pos_base[0] + (uint32_t)tok;
+    const uint32_t pos0 = pos_base[0];  // before the wait: attn_impl's ROPE note says why
+    const uint32_t pos = pos0 + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
     const int chunk = (len + n_splits - 1) / n_splits;
     const int start = min(split * chunk, len), end = min(start + chunk, len);
     const T *kc = k_cache + (size_t)kvh * capacity * HD;
     const T *vc = v_cache + (size_t)kvh * capacity * HD;
     const int ntiles = (end - start + PF_BN - 1) / PF_BN;
-    if (ntiles > 0) pf_load_tile<T, HD, 32>(smem, 0, kc, vc, start, end);  // in flight while q loads
+
+    // The pipeline (stages >= 2, host-checked): tile i goes to stage i % stages as cp.async
+    // group i: one group per tile, and past the last tile an empty group, so that after
+    // stages - 1 + i commits, "tile i has landed" is "at most stages - 2 groups pending". The
+    // prologue's tiles whose rows all lie before pos_base[0] are issued before the
+    // programmatic-launch wait: rope_qkv, the kernel this one depends on, writes cache rows
+    // from pos_base[0] on only, and the earlier rows were written by launches that completed
+    // before this grid started (attn_impl's ROPE note). Rows are split in order, so the tiles
+    // that hold new rows come last; they are issued after the wait, still in tile order.
+    // Without allow_early (the host's choice) every tile is issued after the wait.
+    const int pre = min(ntiles, stages - 1);
+    const int early = !allow_early ? 0 : end <= (int)pos0 ? pre : min(pre, max(0, ((int)pos0 - start) / PF_BN));
+    for (int i = 0; i < early; ++i) pf_load_tile<T, HD, 32>(smem, i, kc, vc, start + i * PF_BN, end);
+    FERRUM_PDL_ENTRY();  // q and the new cache rows come from rope_qkv
+    for (int i = early; i < pre; ++i) pf_load_tile<T, HD, 32>(smem, i, kc, vc, start + i * PF_BN, end);
+    for (int i = pre; i < stages - 1; ++i) asm volatile("cp.async.commit_group;" ::: "memory");
 
     const int hq[2] = {kvh * G + g, kvh * G + g + 8};  // the q heads of rows g and g + 8
     const bool real[2] = {g < G, g + 8 < G};
@@ -1207,19 +1274,28 @@ __device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, co
 
     PfState<HD> st;
     st.init();
-    for (int it = 0; it < ntiles; ++it) {
-        const int k0 = start + it * PF_BN, stage = it & 1;
-        if (it + 1 < ntiles) {
-            // Stage stage ^ 1 was last read in iteration it - 1, which ended with __syncwarp.
-            pf_load_tile<T, HD, 32>(smem, stage ^ 1, kc, vc, k0 + PF_BN, end);
-            asm volatile("cp.async.wait_group 1;" ::: "memory");
-        } else {
+    // cur = it % stages and fill = (it + stages - 1) % stages, kept without a division.
+    for (int it = 0, cur = 0, fill = stages - 1; it < ntiles; ++it) {
+        if (it + 1 == ntiles) {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
+        } else {
+            pf_wait_pending(stages - 2);
         }
         __syncwarp();  // (memory-ordering among the warp's lanes) every lane's copies visible
-        const T *sk = smem + stage * 2 * L::TILE;
+        // Stage `fill` was last read in iteration it - 1, which ended with __syncwarp: refill it
+        // with tile it + stages - 1 (an empty group past the last tile).
+        const int next = it + stages - 1;
+        if (next < ntiles) {
+            pf_load_tile<T, HD, 32>(smem, fill, kc, vc, start + next * PF_BN, end);
+        } else {
+            asm volatile("cp.async.commit_group;" ::: "memory");
+        }
+        const int k0 = start + it * PF_BN;
+        const T *sk = smem + cur * 2 * L::TILE;
+        cur = cur + 1 == stages ? 0 : cur + 1;
+        fill = fill + 1 == stages ? 0 : fill + 1;
         pf_tile<T, HD>(st, qf, sk, sk + L::TILE, k0, k0 + PF_BN > end, lim, end);
-        __syncwarp();  // the tile is no longer read: the next iteration refills its stage
+        __syncwarp();  // the tile is no longer read: a later iteration refills its stage
     }
     st.reduce_l();
 #pragma unroll
@@ -1239,23 +1315,30 @@ __device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, co
     }
 }
 
+// The decode tensor-core attention. Dynamic shared memory: `stages` stages of K and V tiles,
+// PfLayout<hd> each (plan::attn_gqa_dyn_bytes sizes it).
 template <typename T>
 __device__ void attn_gqa(const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,
                          float *part_acc, float *part_ml, const uint32_t *pos_base, int heads,
-                         int kv_heads, int hd, int capacity, float scale) {
-    __shared__ __align__(128) unsigned char smem_raw[PF_SMEM_BYTES];
-    T *smem = reinterpret_cast<T *>(smem_raw);
+                         int kv_heads, int hd, int capacity, float scale, int stages, int allow_early) {
+    extern __shared__ __align__(128) unsigned char smem_dyn[];
+    T *smem = reinterpret_cast<T *>(smem_dyn);
 #define PF_CALL(HD)                                                                                \
     attn_gqa_impl<T, HD>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,   \
-                         kv_heads, capacity, scale, smem)
+                         kv_heads, capacity, scale, stages, allow_early != 0, smem)
     PF_HEAD_DIMS(hd, PF_CALL)
 #undef PF_CALL
 }
 
-// grid (heads, n_tok); block: round_up(hd, 32) threads. Merges the splits (the unfused path).
+// grid (heads, n_tok); block: round_up(hd, 32) threads, one column each. Merges the splits
+// (the unfused path), as merge_into would, bit for bit.
 __device__ void attn_combine(float *out, const float *part_acc, const float *part_ml, int heads,
                              int hd, int n_splits) {
-    merge_into(out, part_acc, part_ml, blockIdx.y, blockIdx.x, heads, hd, n_splits);
+    __shared__ float s_wl[2 * ATTN_MAX_SPLITS];
+    const int tok = blockIdx.y, h = blockIdx.x;
+    const size_t base = ((size_t)tok * heads + h) * n_splits;
+    combine_rows(out + ((size_t)tok * heads + h) * hd, part_acc + base * hd, part_ml + base * 2, hd,
+                 n_splits, s_wl);
 }
 
 #define FERRUM_ATTN(S, T)                                                                          \
@@ -1307,10 +1390,10 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
     extern "C" __global__ void __launch_bounds__(32) ferrum_attn_gqa_##S(                          \
         const float *q, int q_stride, const T *k_cache, const T *v_cache, float *out,              \
         float *part_acc, float *part_ml, const uint32_t *pos_base, int heads, int kv_heads,        \
-        int hd, int capacity, float scale) {                                                       \
-        FERRUM_PDL_ENTRY();                                                                        \
+        int hd, int capacity, float scale, int stages, int allow_early) {                          \
+        /* attn_gqa_impl runs FERRUM_PDL_ENTRY, after its early tiles */                           \
         attn_gqa<T>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, pos_base, heads,        \
-                    kv_heads, hd, capacity, scale);                                                \
+                    kv_heads, hd, capacity, scale, stages, allow_early);                           \
     }                                                                                              \
     extern "C" __global__ void ferrum_attn_combine_##S(float *out, const float *part_acc,          \
                                                        const float *part_ml, int heads, int hd,    \

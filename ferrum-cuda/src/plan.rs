@@ -93,6 +93,35 @@ pub fn gemv_split_k_exact(
     }
 }
 
+/// Timings within this many tenths of a percent of the fastest count as a tie in the GEMV
+/// start-up tuning ([`gemv_pick`]). Overridden by `FERRUM_GEMV_TIE` ([`gemv_tie_permille`]).
+pub const GEMV_TIE_PERMILLE: usize = 5;
+
+/// The GEMV tuning's tie margin from `FERRUM_GEMV_TIE` (`None` when unset:
+/// [`GEMV_TIE_PERMILLE`]), in tenths of a percent, 0..=100 (0: the fastest alone).
+pub fn gemv_tie_permille(value: Option<&str>) -> crate::Result<usize> {
+    Ok(knob("FERRUM_GEMV_TIE", value, 0, 100)?.unwrap_or(GEMV_TIE_PERMILLE))
+}
+
+/// The GEMV start-up tuning's pick among the timed launches `(median µs, blocks)`: the one with
+/// the fewest blocks among those within `tie_permille` tenths of a percent of the fastest (the
+/// first of those on a tie), `None` when there are none. Variants that time alike alone may not
+/// run alike in the step: SmolLM2-135M's qkv projection (960 × 576, split 3) timed 1.612 µs as
+/// 240 blocks of 192 threads and 1.613–1.617 as 480 blocks of 96, a coin flip per process, and
+/// the processes that got the 480 blocks ran 2427–2437 tok/s against 2621–2626 (session 26
+/// call 5, eight processes on one H200).
+pub fn gemv_pick(timed: &[(f32, usize)], tie_permille: usize) -> Option<usize> {
+    let fastest = timed.iter().map(|t| t.0).fold(f32::INFINITY, f32::min);
+    let tie = fastest * (1.0 + tie_permille as f32 / 1000.0);
+    let mut best: Option<usize> = None;
+    for (i, &(t, blocks)) in timed.iter().enumerate() {
+        if t <= tie && best.is_none_or(|b| blocks < timed[b].1) {
+            best = Some(i);
+        }
+    }
+    best
+}
+
 /// `FERRUM_GEMV_KS_EXACT` (`None` when unset: [`GEMV_MAX_KS`]): the largest split-K factor
 /// [`gemv_split_k_exact`] may raise a shape's split to, 0..=[`GEMV_MAX_KS`] (0, 1 or 2: off,
 /// since only a split of 2 or more is raised, and only past itself).
@@ -198,6 +227,13 @@ pub fn gemv_warps_per_sm(value: Option<&str>) -> crate::Result<usize> {
 /// (0..=100) of the unified L1 / shared memory that every kernel prefers as shared memory.
 pub fn smem_carveout(value: Option<&str>) -> crate::Result<Option<usize>> {
     knob("FERRUM_SMEM_CARVEOUT", value, 0, 100)
+}
+
+/// `FERRUM_ATTN_TC_CARVEOUT` (`None` when unset: the driver picks, or `FERRUM_SMEM_CARVEOUT`):
+/// the percentage (0..=100) of the unified L1 / shared memory that the tensor-core decode
+/// attention prefers as shared memory. A measurement knob.
+pub fn attn_tc_carveout(value: Option<&str>) -> crate::Result<Option<usize>> {
+    knob("FERRUM_ATTN_TC_CARVEOUT", value, 0, 100)
 }
 
 /// GEMV launch variants the start-up tuning chooses from (the CUDA runner's `GEMV_VARIANTS`).
@@ -384,6 +420,40 @@ pub fn attn_dyn_bytes(warps: u32, early: bool, cluster: bool, n_splits: usize, h
     merge + early
 }
 
+/// Cache rows per K/V tile of the tensor-core attention kernels (attention.cu's `PF_BN`).
+pub const PF_TILE_ROWS: usize = 32;
+
+/// Shared-memory stages of the tensor-core decode attention (`ferrum_attn_gqa_*`): each holds
+/// one [`PF_TILE_ROWS`]-row K and V tile, and a warp keeps `stages - 1` tiles in flight, the
+/// first of them issued before the programmatic-launch wait. Overridden by
+/// `FERRUM_ATTN_TC_STAGES` ([`attn_tc_stages`]).
+pub const ATTN_TC_STAGES: usize = 5;
+/// Most stages [`attn_tc_stages`] accepts (attention.cu's `PF_MAX_STAGES`).
+pub const ATTN_TC_MAX_STAGES: usize = 6;
+
+/// The tensor-core decode attention's stage count from `FERRUM_ATTN_TC_STAGES` (`None` when
+/// unset: [`ATTN_TC_STAGES`]), 2..=[`ATTN_TC_MAX_STAGES`].
+pub fn attn_tc_stages(value: Option<&str>) -> crate::Result<usize> {
+    Ok(knob("FERRUM_ATTN_TC_STAGES", value, 2, ATTN_TC_MAX_STAGES)?.unwrap_or(ATTN_TC_STAGES))
+}
+
+/// Whether the tensor-core decode attention issues its first tiles before the
+/// programmatic-launch wait (those whose rows all precede the new token's). Overridden by
+/// `FERRUM_ATTN_TC_EARLY` ([`attn_tc_early`]).
+pub const ATTN_TC_EARLY: bool = true;
+
+/// `FERRUM_ATTN_TC_EARLY` (`None` when unset: [`ATTN_TC_EARLY`]), 0 or 1.
+pub fn attn_tc_early(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_ATTN_TC_EARLY", value, 0, 1)?.map_or(ATTN_TC_EARLY, |v| v == 1))
+}
+
+/// Dynamic shared memory of a tensor-core decode attention launch: `stages` K and V tiles of
+/// [`PF_TILE_ROWS`] rows, each row `head_dim + 8` 16-bit elements (attention.cu's
+/// `PfLayout`: the pad keeps ldmatrix free of bank conflicts).
+pub fn attn_gqa_dyn_bytes(stages: usize, head_dim: usize) -> u32 {
+    (stages * 2 * PF_TILE_ROWS * (head_dim + 8) * 2) as u32
+}
+
 /// The most dynamic shared memory a decode attention launch asks for (8 warps with early
 /// copies, [`ATTN_MAX_CLUSTER`] splits of head dim 256): the kernels are allowed that much at
 /// load, since with their static shared memory it passes the default 48 KiB per block.
@@ -504,6 +574,8 @@ mod tests {
         assert_eq!(define(attn, "ATTN_MAX_CLUSTER"), ATTN_MAX_CLUSTER);
         assert_eq!(define(attn, "ATTN_MAX_HD"), 256);
         assert_eq!(define(attn, "PF_WARPS"), PREFILL_WARPS as usize);
+        assert_eq!(define(attn, "PF_BN"), PF_TILE_ROWS);
+        assert_eq!(define(attn, "PF_MAX_STAGES"), ATTN_TC_MAX_STAGES);
         // The tensor-core kernels' head-dim switch is exactly PREFILL_HEAD_DIMS.
         let switch = attn.split("#define PF_HEAD_DIMS").nth(1).expect("PF_HEAD_DIMS");
         let switch = &switch[..switch.find("default:").expect("default")];
@@ -545,6 +617,8 @@ mod tests {
             assert!(e.contains("FERRUM_GEMV_WARPS_PER_SM") && e.contains("1..=64"), "{bad:?}: {e}");
         }
         assert_eq!(smem_carveout(None).unwrap(), None);
+        assert_eq!(attn_tc_carveout(Some("77")).unwrap(), Some(77));
+        assert!(attn_tc_carveout(Some("101")).unwrap_err().to_string().contains("FERRUM_ATTN_TC_CARVEOUT"));
         assert_eq!(smem_carveout(Some("0")).unwrap(), Some(0));
         assert_eq!(smem_carveout(Some("100")).unwrap(), Some(100));
         for bad in ["101", "-1", "half"] {
@@ -588,6 +662,19 @@ mod tests {
 
     #[test]
     fn tensor_core_threshold_knob() {
+        assert_eq!(attn_tc_stages(None).unwrap(), ATTN_TC_STAGES);
+        assert_eq!(attn_tc_early(None).unwrap(), ATTN_TC_EARLY);
+        assert!(!attn_tc_early(Some("0")).unwrap());
+        assert!(attn_tc_early(Some("2")).unwrap_err().to_string().contains("FERRUM_ATTN_TC_EARLY"));
+        assert_eq!(attn_tc_stages(Some("4")).unwrap(), 4);
+        for bad in ["0", "1", "7", "", "deep"] {
+            let e = attn_tc_stages(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_ATTN_TC_STAGES") && e.contains("2..=6"), "{bad}: {e}");
+        }
+        // Two stages at head dim 128 are the 34 KiB the kernel once reserved statically; the
+        // most stages at the largest head dim stay under the 227 KiB a block may opt into.
+        assert_eq!(attn_gqa_dyn_bytes(2, 128), 34816);
+        assert!(attn_gqa_dyn_bytes(ATTN_TC_MAX_STAGES, *PREFILL_HEAD_DIMS.last().unwrap()) <= 227 * 1024);
         assert_eq!(attn_tc_min_capacity(None).unwrap(), ATTN_TC_MIN_CAPACITY);
         assert_eq!(attn_tc_min_capacity(Some("1")).unwrap(), 1);
         assert_eq!(attn_tc_min_capacity(Some("100000000")).unwrap(), 100_000_000);
@@ -678,6 +765,22 @@ mod tests {
         // The split-K cap (FERRUM_GEMV_SPLIT_K) bounds it too.
         assert_eq!(gemv_split_k_exact(576, 1536, H200_SMS, 4, GEMV_WARPS_PER_SM, 8), 4);
         assert_eq!(gemv_split_k_exact(576, 576, H200_SMS, 4, GEMV_WARPS_PER_SM, 8), 3);
+        // The tuning's pick: the fewest blocks among the launches within 0.5% of the fastest.
+        let t = GEMV_TIE_PERMILLE;
+        assert_eq!(gemv_pick(&[(1.6128, 480), (1.6117, 240)], t), Some(1));
+        assert_eq!(gemv_pick(&[(1.6117, 480), (1.6128, 240)], t), Some(1));
+        assert_eq!(gemv_pick(&[(1.50, 288), (1.60, 144)], t), Some(0));
+        assert_eq!(gemv_pick(&[(2.0, 100), (2.0, 100)], t), Some(0));
+        assert_eq!(gemv_pick(&[], t), None);
+        // Off (0): the fastest alone, the first on an exact tie.
+        assert_eq!(gemv_pick(&[(1.6117, 480), (1.6128, 240)], 0), Some(0));
+        assert_eq!(gemv_pick(&[(1.6128, 480), (1.6117, 240)], 0), Some(1));
+        assert_eq!(gemv_tie_permille(None).unwrap(), GEMV_TIE_PERMILLE);
+        assert_eq!(gemv_tie_permille(Some("0")).unwrap(), 0);
+        for bad in ["101", "-1", "", "half"] {
+            let e = gemv_tie_permille(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_TIE") && e.contains("0..=100"), "{bad}: {e}");
+        }
         assert_eq!(gemv_ks_exact(None).unwrap(), GEMV_MAX_KS);
         assert_eq!(gemv_ks_exact(Some("0")).unwrap(), 0);
         assert_eq!(gemv_ks_exact(Some("6")).unwrap(), 6);

@@ -893,6 +893,84 @@ fn attention_head_dim_kernels_are_bit_identical() {
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
 }
 
+/// The tensor-core decode attention's shared-memory pipeline (`set_attn_tc_stages`, 2..=6
+/// stages: `stages - 1` tiles in flight, the tiles before the new row issued before the
+/// programmatic-launch wait, or, without `early`, after it): the logits of every stage count,
+/// and of the default count without the early tiles, are bit-identical to two stages
+/// and within tolerance of the CPU reference, in both dtypes, at head dims 64 and 128, for one
+/// split (61 tiles: the pipeline's steady state), 5 splits, and 64 splits (one tile each, so
+/// the last split's only tile holds the new row and is issued after the wait). A bad count is
+/// refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tensor_core_attention_stages_are_bit_identical() {
+    let (prompt, steps, cap) = (1950, 3, 2048);
+    let mut failures = Vec::new();
+    for hd in [64usize, 128] {
+        let a = Arch {
+            name: "tc-stages",
+            bias: false,
+            qk_norm: false,
+            tied: true,
+            head_dim: hd,
+            heads: 8,
+            kv_heads: 2,
+            hidden: 128,
+            inter: 256,
+            layers: 1,
+            vocab: 300,
+        };
+        assert!(plan::attn_tensor_core(hd, a.heads, a.kv_heads, cap, plan::ATTN_TC_MIN_CAPACITY));
+        for dtype in [DType::BF16, DType::F16] {
+            let (s, w, _) = build(a, dtype, 9);
+            let (toks, fed, refs) = ref_continuation(&s, &w, prompt, steps, 23);
+            for splits in [1usize, 5, 64] {
+                let mut runs = Vec::new();
+                // Every stage count with the early tiles, and the default count without them.
+                let settings = (2..=plan::ATTN_TC_MAX_STAGES).map(|n| (n, true)).chain([(plan::ATTN_TC_STAGES, false)]);
+                for (stages, early) in settings {
+                    let (_, _, mut r) = build(a, dtype, 9);
+                    r.set_attn_tc_stages(stages, early).unwrap();
+                    r.init_sequence(1, cap).unwrap();
+                    r.set_attention_splits(1, splits).unwrap();
+                    r.prefill(1, &toks).unwrap();
+                    let (mut got, mut logits, mut worst) = (Vec::new(), Vec::new(), 0.0f64);
+                    for (i, &t) in fed.iter().enumerate() {
+                        r.decode_step(1, t, prompt + i).unwrap();
+                        r.logits_to_host(&mut got).unwrap();
+                        worst = worst.max(rel_err(&got, &refs[i]));
+                        logits.extend_from_slice(&got);
+                    }
+                    println!(
+                        "TC-STAGES hd {hd:<3} {:<4} splits {splits:<2} stages {stages} early {early:<5}: max rel err {worst:.2e} (tol {:.0e})",
+                        dtype.name(),
+                        tol(dtype)
+                    );
+                    if worst > tol(dtype) {
+                        failures.push(format!(
+                            "hd {hd} {dtype:?} splits {splits} stages {stages} early {early}: rel err {worst:.3e}"
+                        ));
+                    }
+                    runs.push((stages, early, logits));
+                }
+                for (stages, early, l) in &runs[1..] {
+                    if logit_bits(l) != logit_bits(&runs[0].2) {
+                        failures.push(format!(
+                            "hd {hd} {dtype:?} splits {splits} stages {stages} early {early}: not bit-identical to 2"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    let (_, _, mut r) = build(QWEN3, DType::BF16, 1);
+    for bad in [0usize, 1, plan::ATTN_TC_MAX_STAGES + 1] {
+        let e = r.set_attn_tc_stages(bad, true).unwrap_err().to_string();
+        assert!(e.contains("stages") && e.contains("2..="), "{bad}: {e}");
+    }
+    assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+}
+
 /// Split-K GEMVs (several warps per row group, each over its own column stripes, summed in a
 /// fixed order): a model wide enough that every projection splits (hidden 512: two stripes of
 /// 256 columns; intermediate 2560: 4), and one whose down projection splits 8 ways

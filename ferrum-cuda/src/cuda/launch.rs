@@ -333,6 +333,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_GEMV_KS_EXACT`: the largest split that `plan::gemv_split_k_exact` may raise a
     /// shape's split-K to (one column stripe per warp; 0: off).
     pub(crate) gemv_ks_exact: u32,
+    /// The GEMV tuning's tie margin in tenths of a percent (`plan::GEMV_TIE_PERMILLE`, or
+    /// `FERRUM_GEMV_TIE`): among launches this close to the fastest, the fewest blocks win.
+    pub(crate) gemv_tie: usize,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -343,6 +346,12 @@ pub(crate) struct Kernels {
     /// (`plan::attn_tensor_core`; `plan::ATTN_TC_MIN_CAPACITY`, or
     /// `FERRUM_ATTN_TC_MIN_CAPACITY`).
     pub(crate) attn_tc_min_capacity: usize,
+    /// Shared-memory stages of the tensor-core decode attention (`plan::ATTN_TC_STAGES`, or
+    /// `FERRUM_ATTN_TC_STAGES`).
+    pub(crate) attn_tc_stages: usize,
+    /// Whether the tensor-core decode attention issues tiles before the programmatic-launch
+    /// wait (`plan::ATTN_TC_EARLY`, or `FERRUM_ATTN_TC_EARLY`).
+    pub(crate) attn_tc_early: bool,
     /// The fused decode attention runs its own kernel for the head dims of
     /// `plan::ATTN_OWN_HEAD_DIMS` (`FERRUM_ATTN_HD_KERNELS`, default on; bit-identical).
     pub(crate) attn_head_dim_kernels: bool,
@@ -477,6 +486,8 @@ impl Kernels {
         // `FERRUM_SMEM_CARVEOUT=P`: every kernel prefers P% of the unified L1 / shared memory
         // as shared memory (by default the driver picks per kernel).
         let carveout = crate::plan::smem_carveout(env("FERRUM_SMEM_CARVEOUT")?.as_deref())?;
+        // `FERRUM_ATTN_TC_CARVEOUT=P`: the same for the tensor-core decode attention alone.
+        let attn_tc_carveout = crate::plan::attn_tc_carveout(env("FERRUM_ATTN_TC_CARVEOUT")?.as_deref())?;
         // `FERRUM_FUSE` picks the decode fusions (for A/B measurements; see `Fusion::parse`).
         let fusion = match env("FERRUM_FUSE")? {
             None => Fusion::ALL,
@@ -494,9 +505,12 @@ impl Kernels {
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT")?.as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K")?.as_deref())?;
         let gemv_ks_exact = crate::plan::gemv_ks_exact(env("FERRUM_GEMV_KS_EXACT")?.as_deref())?;
+        let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
+        let attn_tc_stages = crate::plan::attn_tc_stages(env("FERRUM_ATTN_TC_STAGES")?.as_deref())?;
+        let attn_tc_early = crate::plan::attn_tc_early(env("FERRUM_ATTN_TC_EARLY")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
@@ -522,6 +536,22 @@ impl Kernels {
                 f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max)
                     .map_err(Error::driver("attention shared memory size"))?;
             }
+            if matches!(k, Kernel::AttnGqaF16 | Kernel::AttnGqaBf16) {
+                // Its K/V stages are dynamic shared memory, past 48 KiB from three stages on;
+                // allowed the most stages at the largest head dim, so a later stage count
+                // (set_attn_tc_stages) needs no new attribute.
+                let hd = *crate::plan::PREFILL_HEAD_DIMS.last().unwrap_or(&128);
+                let max = crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, hd) as i32;
+                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max)
+                    .map_err(Error::driver("tensor-core attention shared memory size"))?;
+                if let Some(p) = attn_tc_carveout {
+                    f.set_attribute(
+                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                        p as i32,
+                    )
+                    .map_err(Error::driver("tensor-core attention carveout"))?;
+                }
+            }
             funcs.push(f);
         }
         let blas = CudaBlas::new(stream.clone()).map_err(Error::cublas("creating the cuBLAS handle"))?;
@@ -533,11 +563,15 @@ impl Kernels {
             ?gemv_variant,
             gemv_max_ks,
             gemv_ks_exact,
+            gemv_tie,
             gemv_warps_per_sm,
             ?gemv_lanes,
             attn_tc_min_capacity,
+            attn_tc_stages,
+            attn_tc_early,
             attn_head_dim_kernels,
             ?carveout,
+            ?attn_tc_carveout,
             "kernels loaded"
         );
         Ok(Kernels {
@@ -557,9 +591,12 @@ impl Kernels {
             gemv_variant,
             gemv_max_ks,
             gemv_ks_exact,
+            gemv_tie,
             gemv_warps_per_sm,
             gemv_lanes,
             attn_tc_min_capacity,
+            attn_tc_stages,
+            attn_tc_early,
             attn_head_dim_kernels,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
@@ -1101,6 +1138,8 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
+        let stages = i32_of(self.attn_tc_stages, "stages")?;
+        let early = i32::from(self.attn_tc_early);
         let mut b = self.builder(pick(self.dtype, Kernel::AttnGqaF16, Kernel::AttnGqaBf16));
         b.arg(&pq)
             .arg(&qs)
@@ -1114,8 +1153,12 @@ impl Kernels {
             .arg(&kvh)
             .arg(&hd)
             .arg(&cap)
-            .arg(&scale);
+            .arg(&scale)
+            .arg(&stages)
+            .arg(&early);
         let grid = (kv_heads as u32, n_splits as u32, grid1(n_tok)?);
+        let mut c = cfg(grid, 32);
+        c.shared_mem_bytes = crate::plan::attn_gqa_dyn_bytes(self.attn_tc_stages, head_dim);
         // SAFETY: block (g, s, t) reads pos[0], the f32 q row t at t*q_stride + h*hd .. +hd
         // (8-byte loads: q_stride, h*hd and the column are even) for the group's heads h =
         // g*G .. g*G + G - 1 (G = heads / kv_heads <= 16, checked above), and cache rows
@@ -1125,10 +1168,11 @@ impl Kernels {
         // zero-filled, reading nothing). With one split it writes out[t][h*hd .. +hd), else
         // part_acc[(t*heads + h)*n_splits + s][..hd] and part_ml[..][0..2] (a null pointer is
         // never written: each pointer is read only on its own branch of n_splits == 1).
-        // Extents checked above; one warp per block, static shared memory only; signature
-        // (const f32*, int, const T*, const T*, f32*, f32*, f32*, const u32*, int x4, float)
-        // matches.
-        unsafe { b.launch(cfg(grid, 32)) }.map_err(Error::driver("attn_gqa"))?;
+        // Extents checked above; one warp per block; dynamic shared memory for `stages` tiles
+        // of this head dim (2..=6 stages, plan::attn_tc_stages, within the opt-in set at load:
+        // head dim <= 128); signature (const f32*, int, const T*, const T*, f32*, f32*, f32*,
+        // const u32*, int x4, float, int, int) matches.
+        unsafe { b.launch(c) }.map_err(Error::driver("attn_gqa"))?;
         Ok(())
     }
 

@@ -1323,6 +1323,22 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Sets the tensor-core decode attention's shared-memory stages (as `FERRUM_ATTN_TC_STAGES`
+    /// would at start-up, 2..=`plan::ATTN_TC_MAX_STAGES`) and whether it issues tiles before the
+    /// programmatic-launch wait (`FERRUM_ATTN_TC_EARLY`). Bit-identical for every setting (the
+    /// same tiles in the same order). For tests and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_attn_tc_stages(&mut self, stages: usize, early: bool) -> Result<()> {
+        if !(2..=crate::plan::ATTN_TC_MAX_STAGES).contains(&stages) {
+            let max = crate::plan::ATTN_TC_MAX_STAGES;
+            return Err(Error::InvalidArgument(format!("{stages} tensor-core attention stages (2..={max})")));
+        }
+        self.k.attn_tc_stages = stages;
+        self.k.attn_tc_early = early;
+        self.generation += 1;
+        Ok(())
+    }
+
     /// How the last decode step's attention merged its KV splits: `"none"` (one split),
     /// `"cluster"` (distributed shared memory in a thread-block cluster), `"ticket"` (the last
     /// split block, through global memory) or `"combine"` (a separate kernel). For tests.
@@ -1473,8 +1489,9 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
             .map(|v| GemvVariant { ks, ..*v }.blocks(rows, gateup, lanes))
             .collect::<Result<Vec<_>>>()?;
         let balanced = crate::plan::gemv_balanced(&launches, sms);
-        let mut best = (f32::MAX, GemvVariant { ks, ..GemvVariant::default() });
-        for (v, _) in GEMV_VARIANTS.iter().zip(&balanced).filter(|(_, b)| **b) {
+        // (time, blocks, variant) of each timed launch; plan::gemv_pick chooses.
+        let mut timed: Vec<(f32, usize, GemvVariant)> = Vec::new();
+        for ((v, _), launch) in GEMV_VARIANTS.iter().zip(&balanced).zip(&launches).filter(|((_, b), _)| **b) {
             let v = GemvVariant { ks, ..*v };
             k.gemv_table.insert(key, v);
             let mut times = Vec::with_capacity(TUNE_CHAINS);
@@ -1505,13 +1522,12 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
                 }
             }
             times.sort_by(f32::total_cmp);
-            let t = times[times.len() / 2];
-            if t < best.0 {
-                best = (t, v);
-            }
+            timed.push((times[times.len() / 2], launch.0, v));
         }
-        k.gemv_table.insert(key, best.1);
-        tracing::debug!(rows, cols, gateup, variant = ?best.1, us = best.0 * 1e3, "GEMV variant chosen");
+        let pick = crate::plan::gemv_pick(&timed.iter().map(|t| (t.0, t.1)).collect::<Vec<_>>(), k.gemv_tie);
+        let (t, _, v) = pick.map_or((f32::MAX, 0, GemvVariant { ks, ..GemvVariant::default() }), |i| timed[i]);
+        k.gemv_table.insert(key, v);
+        tracing::debug!(rows, cols, gateup, variant = ?v, us = t * 1e3, "GEMV variant chosen");
     }
     Ok(())
 }
