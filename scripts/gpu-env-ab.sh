@@ -10,6 +10,10 @@
 # beside the bundle, e.g. bundle/ferrum-base.gz, which unpack.sh unpacks too):
 #   bash scripts/gpu-env-ab.sh BIN=bundle/ferrum-base -
 #
+# Each run has its own 90 s limit, in the caller's process group (timeout --foreground), so
+# an outer `timeout N bash scripts/gpu-env-ab.sh` kills the run in flight too (without it the
+# run went on beside the caller's next command: session 27 call 10).
+#
 # Prints one line per run; every run's JSON, with its setting and round added, goes to
 # $OUT/ab.jsonl (one file: the device tool returns few files).
 set -u
@@ -27,7 +31,7 @@ for m in ${MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
                 case "$v" in BIN=*) bin=${v#BIN=} ;; *) env+=("$v") ;; esac
             done
             f="$RET/ab-run.json"
-            env ${env[@]+"${env[@]}"} timeout 90 "$bin" bench --device cuda --tp "${TP:-1}" --synthetic "$m" --dtype bf16 \
+            env ${env[@]+"${env[@]}"} timeout --foreground 90 "$bin" bench --device cuda --tp "${TP:-1}" --synthetic "$m" --dtype bf16 \
                 --prompt-tokens "${PROMPT:-128}" --gen-tokens 256 --runs 3 --json >"$f" 2>/dev/null
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"{r['model']} tp{sys.argv[4]} round {sys.argv[3]} [{sys.argv[2]}]: {r['decode_tok_per_s']:.0f} tok/s\")" \
                 "$f" "$setting" "$round" "${TP:-1}" || echo "$m tp${TP:-1} round $round [$setting]: FAILED"

@@ -101,7 +101,7 @@ PY
         say "== llama3-8b TP1: prefill of 1024 tokens; decode at 8k context (7936-token prompt + 256)"
         "$B/ferrum" bench --device cuda --synthetic llama3-8b --dtype bf16 --prompt-tokens 1024 --gen-tokens 32 \
             --runs 3 --json >"$OUT/bench-llama3-8b-prefill1024.json" 2>>"$OUT/bench.log"
-        timeout 150 "$B/ferrum" bench --device cuda --synthetic llama3-8b --dtype bf16 --prompt-tokens 7936 --gen-tokens 256 \
+        timeout --foreground 150 "$B/ferrum" bench --device cuda --synthetic llama3-8b --dtype bf16 --prompt-tokens 7936 --gen-tokens 256 \
             --runs 2 --json >"$OUT/bench-llama3-8b-ctx8k.json" 2>>"$OUT/bench.log"
         for f in prefill1024 ctx8k; do
             python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} prompt {r['prompt_tokens']}: prefill {r['prefill_ms_median']:.1f} ms, decode {r['decode_tok_per_s']:.0f} tok/s\")" "$OUT/bench-llama3-8b-$f.json" | tee -a "$S"
