@@ -907,7 +907,8 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
 #define PF_BM (16 * PF_WARPS)
 #define PF_BN 32
 
-// Shared memory: two stages of K and V tiles, [stage][K|V][PF_BN][HD + 8] in the model dtype.
+// Shared memory: stages of K and V tiles, [stage][K|V][PF_BN][HD + 8] in the model dtype (two
+// in the prefill kernel; `stages` in the decode one, attn_gqa_impl).
 // The 8-element pad makes the row stride an odd number of 16-byte units for every supported
 // head dim, so the 8 row addresses of one ldmatrix hit 8 different bank groups.
 template <int HD> struct PfLayout {
@@ -1219,8 +1220,9 @@ __device__ void attn_prefill(const float *q, int q_stride, const T *k_cache, con
 // G = heads / kv_heads q heads of one KV group as the rows of one warp's 16-row tile (G <= 16,
 // host-checked; rows G..15 are zeros), over one split of the cache. Each K/V row is read once
 // per group (the row-walking kernel above reads it once per q head), and the tiles stream
-// through shared memory with cp.async, `stages - 1` tiles ahead (the first of them issued
-// before the programmatic-launch wait), through the prefill kernel's tile step
+// through shared memory with cp.async, `stages - 1` tiles ahead (those of the first
+// `stages - 1` whose rows precede the new token issued before the programmatic-launch wait),
+// through the prefill kernel's tile step
 // (pf_tile: same numerics). The host takes this path for long caches
 // (plan::attn_tensor_core), after rope_qkv: q is the roped qkv row.
 //
@@ -1239,7 +1241,9 @@ __device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, co
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int kvh = blockIdx.x, split = blockIdx.y, tok = blockIdx.z, n_splits = gridDim.y;
     const int G = heads / kv_heads;
-    const uint32_t pos0 = pos_base[0];  // before the wait: attn_impl's ROPE note says why
+    // Before the wait, through L2 (ld_early: never a stale L1 line), as attn_impl's ROPE note
+    // says: the position is written by the previous step, never by rope_qkv.
+    const uint32_t pos0 = ld_early(pos_base);
     const uint32_t pos = pos0 + (uint32_t)tok;
     const int len = (int)min(pos + 1u, (uint32_t)capacity);
     const int chunk = (len + n_splits - 1) / n_splits;
@@ -1256,7 +1260,8 @@ __device__ void attn_gqa_impl(const float *q, int q_stride, const T *k_cache, co
     // from pos_base[0] on only, and the earlier rows were written by launches that completed
     // before this grid started (attn_impl's ROPE note). Rows are split in order, so the tiles
     // that hold new rows come last; they are issued after the wait, still in tile order.
-    // Without allow_early (the host's choice) every tile is issued after the wait.
+    // Without allow_early (the host's choice) every tile is issued after the wait (the
+    // position is still read before it).
     const int pre = min(ntiles, stages - 1);
     const int early = !allow_early ? 0 : end <= (int)pos0 ? pre : min(pre, max(0, ((int)pos0 - start) / PF_BN));
     for (int i = 0; i < early; ++i) pf_load_tile<T, HD, 32>(smem, i, kc, vc, start + i * PF_BN, end);

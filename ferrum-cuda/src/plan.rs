@@ -98,7 +98,8 @@ pub fn gemv_split_k_exact(
 pub const GEMV_TIE_PERMILLE: usize = 5;
 
 /// The GEMV tuning's tie margin from `FERRUM_GEMV_TIE` (`None` when unset:
-/// [`GEMV_TIE_PERMILLE`]), in tenths of a percent, 0..=100 (0: the fastest alone).
+/// [`GEMV_TIE_PERMILLE`]), in tenths of a percent, 0..=100 (0: only exact ties, which the
+/// fewest blocks still break).
 pub fn gemv_tie_permille(value: Option<&str>) -> crate::Result<usize> {
     Ok(knob("FERRUM_GEMV_TIE", value, 0, 100)?.unwrap_or(GEMV_TIE_PERMILLE))
 }
@@ -424,8 +425,9 @@ pub fn attn_dyn_bytes(warps: u32, early: bool, cluster: bool, n_splits: usize, h
 pub const PF_TILE_ROWS: usize = 32;
 
 /// Shared-memory stages of the tensor-core decode attention (`ferrum_attn_gqa_*`): each holds
-/// one [`PF_TILE_ROWS`]-row K and V tile, and a warp keeps `stages - 1` tiles in flight, the
-/// first of them issued before the programmatic-launch wait. Overridden by
+/// one [`PF_TILE_ROWS`]-row K and V tile, and a warp keeps up to `stages - 1` tiles in flight,
+/// those of its first `stages - 1` whose rows precede the new token issued before the
+/// programmatic-launch wait. Overridden by
 /// `FERRUM_ATTN_TC_STAGES` ([`attn_tc_stages`]).
 pub const ATTN_TC_STAGES: usize = 5;
 /// Most stages [`attn_tc_stages`] accepts (attention.cu's `PF_MAX_STAGES`).
@@ -445,6 +447,14 @@ pub const ATTN_TC_EARLY: bool = true;
 /// `FERRUM_ATTN_TC_EARLY` (`None` when unset: [`ATTN_TC_EARLY`]), 0 or 1.
 pub fn attn_tc_early(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_ATTN_TC_EARLY", value, 0, 1)?.map_or(ATTN_TC_EARLY, |v| v == 1))
+}
+
+/// The stage count a tensor-core decode attention launch of head dim `head_dim` runs: the
+/// largest at most `stages` whose [`attn_gqa_dyn_bytes`] fit `max_bytes` (the block's opt-in
+/// limit: 227 KiB on an H100 or H200, 99 KiB on sm_86 / sm_89 / sm_120 GPUs), and at least 2
+/// (34 KiB at head dim 128, within the 48 KiB every block gets). Bit-identical either way.
+pub fn attn_tc_stages_fitting(stages: usize, head_dim: usize, max_bytes: u32) -> usize {
+    (2..=stages.max(2)).rev().find(|&s| attn_gqa_dyn_bytes(s, head_dim) <= max_bytes).unwrap_or(2)
 }
 
 /// Dynamic shared memory of a tensor-core decode attention launch: `stages` K and V tiles of
@@ -660,8 +670,10 @@ mod tests {
         }
     }
 
+    /// The tensor-core decode attention's stage and early-tile knobs, its shared memory per
+    /// launch, and the stage count fitted to a GPU's per-block limit.
     #[test]
-    fn tensor_core_threshold_knob() {
+    fn tensor_core_stage_knobs() {
         assert_eq!(attn_tc_stages(None).unwrap(), ATTN_TC_STAGES);
         assert_eq!(attn_tc_early(None).unwrap(), ATTN_TC_EARLY);
         assert!(!attn_tc_early(Some("0")).unwrap());
@@ -674,7 +686,21 @@ mod tests {
         // Two stages at head dim 128 are the 34 KiB the kernel once reserved statically; the
         // most stages at the largest head dim stay under the 227 KiB a block may opt into.
         assert_eq!(attn_gqa_dyn_bytes(2, 128), 34816);
-        assert!(attn_gqa_dyn_bytes(ATTN_TC_MAX_STAGES, *PREFILL_HEAD_DIMS.last().unwrap()) <= 227 * 1024);
+        assert!(attn_gqa_dyn_bytes(ATTN_TC_MAX_STAGES, *PREFILL_HEAD_DIMS.iter().max().unwrap()) <= 227 * 1024);
+        // On a GPU whose blocks may opt into 99 KiB (sm_86 / sm_89 / sm_120) head dim 128 runs
+        // 5 stages (85 KiB), not 6 (102 KiB); head dim 64 runs 6; never fewer than 2.
+        let (h200, ada) = (227 * 1024, 99 * 1024);
+        assert_eq!(attn_tc_stages_fitting(6, 128, h200), 6);
+        assert_eq!(attn_tc_stages_fitting(6, 128, ada), 5);
+        assert_eq!(attn_tc_stages_fitting(6, 64, ada), 6);
+        assert_eq!(attn_tc_stages_fitting(5, 128, ada), 5);
+        assert_eq!(attn_tc_stages_fitting(5, 128, 48 * 1024), 2);
+        assert_eq!(attn_tc_stages_fitting(5, 128, 1024), 2);
+        assert!(attn_gqa_dyn_bytes(2, 128) <= 48 * 1024);
+    }
+
+    #[test]
+    fn tensor_core_threshold_knob() {
         assert_eq!(attn_tc_min_capacity(None).unwrap(), ATTN_TC_MIN_CAPACITY);
         assert_eq!(attn_tc_min_capacity(Some("1")).unwrap(), 1);
         assert_eq!(attn_tc_min_capacity(Some("100000000")).unwrap(), 100_000_000);
@@ -772,7 +798,8 @@ mod tests {
         assert_eq!(gemv_pick(&[(1.50, 288), (1.60, 144)], t), Some(0));
         assert_eq!(gemv_pick(&[(2.0, 100), (2.0, 100)], t), Some(0));
         assert_eq!(gemv_pick(&[], t), None);
-        // Off (0): the fastest alone, the first on an exact tie.
+        // Off (0): the fastest alone; an exact tie still goes to the fewest blocks.
+        assert_eq!(gemv_pick(&[(1.6117, 480), (1.6117, 240)], 0), Some(1));
         assert_eq!(gemv_pick(&[(1.6117, 480), (1.6128, 240)], 0), Some(0));
         assert_eq!(gemv_pick(&[(1.6128, 480), (1.6117, 240)], 0), Some(1));
         assert_eq!(gemv_tie_permille(None).unwrap(), GEMV_TIE_PERMILLE);

@@ -744,8 +744,14 @@ fn attention_every_head_dim() {
             if plan::attn_tensor_core(hd, a.heads, a.kv_heads, plan::ATTN_TC_MIN_CAPACITY, plan::ATTN_TC_MIN_CAPACITY) {
                 capacities.push(plan::ATTN_TC_MIN_CAPACITY);
             }
-            // 8 splits: the largest cluster (plan::ATTN_MAX_CLUSTER).
-            for (&cap, splits) in capacities.iter().flat_map(|c| [(c, 1usize), (c, 5), (c, 8)]) {
+            // 8 splits: the largest cluster (plan::ATTN_MAX_CLUSTER); 40 on the short cache: more
+            // partials than the combine loads before its weights (attention.cu's COMBINE_PRE),
+            // merged by the ticket and by the combine.
+            let split_counts = |c: &usize| {
+                let long = *c >= plan::ATTN_TC_MIN_CAPACITY;
+                [(*c, 1usize), (*c, 5), (*c, 8)].into_iter().chain((!long).then_some((*c, 40)))
+            };
+            for (cap, splits) in capacities.iter().flat_map(split_counts) {
                 let tc = cap >= plan::ATTN_TC_MIN_CAPACITY;
                 let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
                 // Only the RoPE fusion and the split merge differ (the norm fusion rounds
@@ -898,9 +904,10 @@ fn attention_head_dim_kernels_are_bit_identical() {
 /// programmatic-launch wait, or, without `early`, after it): the logits of every stage count,
 /// and of the default count without the early tiles, are bit-identical to two stages
 /// and within tolerance of the CPU reference, in both dtypes, at head dims 64 and 128, for one
-/// split (61 tiles: the pipeline's steady state), 5 splits, and 64 splits (one tile each, so
-/// the last split's only tile holds the new row and is issued after the wait). A bad count is
-/// refused.
+/// split (61–62 tiles: the pipeline's steady state), 5 splits, 16 splits (the last non-empty
+/// split's 4 tiles: 3 issued before the wait and the one holding the new row after it, at 5
+/// and 6 stages) and 64 splits (one tile each: the split holding the new row issues its only
+/// tile after the wait; the last split is empty). A bad count is refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn tensor_core_attention_stages_are_bit_identical() {
@@ -924,7 +931,7 @@ fn tensor_core_attention_stages_are_bit_identical() {
         for dtype in [DType::BF16, DType::F16] {
             let (s, w, _) = build(a, dtype, 9);
             let (toks, fed, refs) = ref_continuation(&s, &w, prompt, steps, 23);
-            for splits in [1usize, 5, 64] {
+            for splits in [1usize, 5, 16, 64] {
                 let mut runs = Vec::new();
                 // Every stage count with the early tiles, and the default count without them.
                 let settings = (2..=plan::ATTN_TC_MAX_STAGES).map(|n| (n, true)).chain([(plan::ATTN_TC_STAGES, false)]);

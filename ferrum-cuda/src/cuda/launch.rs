@@ -352,6 +352,9 @@ pub(crate) struct Kernels {
     /// Whether the tensor-core decode attention issues tiles before the programmatic-launch
     /// wait (`plan::ATTN_TC_EARLY`, or `FERRUM_ATTN_TC_EARLY`).
     pub(crate) attn_tc_early: bool,
+    /// The tensor-core decode attention's dynamic shared memory allowance (set at load: what
+    /// the most stages need, or the GPU's opt-in limit per block where that is less).
+    pub(crate) attn_tc_smem_max: u32,
     /// The fused decode attention runs its own kernel for the head dims of
     /// `plan::ATTN_OWN_HEAD_DIMS` (`FERRUM_ATTN_HD_KERNELS`, default on; bit-identical).
     pub(crate) attn_head_dim_kernels: bool,
@@ -511,6 +514,12 @@ impl Kernels {
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
         let attn_tc_stages = crate::plan::attn_tc_stages(env("FERRUM_ATTN_TC_STAGES")?.as_deref())?;
         let attn_tc_early = crate::plan::attn_tc_early(env("FERRUM_ATTN_TC_EARLY")?.as_deref())?;
+        let optin = ctx
+            .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(Error::driver("device attribute"))?;
+        let widest = crate::plan::PREFILL_HEAD_DIMS.iter().copied().max().unwrap_or(128);
+        let attn_tc_smem_max = crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, widest)
+            .min(u32::try_from(optin).unwrap_or(0).max(48 * 1024));
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
@@ -537,13 +546,16 @@ impl Kernels {
                     .map_err(Error::driver("attention shared memory size"))?;
             }
             if matches!(k, Kernel::AttnGqaF16 | Kernel::AttnGqaBf16) {
-                // Its K/V stages are dynamic shared memory, past 48 KiB from three stages on;
-                // allowed the most stages at the largest head dim, so a later stage count
-                // (set_attn_tc_stages) needs no new attribute.
-                let hd = *crate::plan::PREFILL_HEAD_DIMS.last().unwrap_or(&128);
-                let max = crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, hd) as i32;
-                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max)
-                    .map_err(Error::driver("tensor-core attention shared memory size"))?;
+                // Its K/V stages are dynamic shared memory, past 48 KiB from three stages on
+                // (at head dim 128): allowed what the most stages need at the largest head dim,
+                // or the GPU's opt-in limit where that is less (launches fit their stage count
+                // to it: attn_gqa), so a later stage count (set_attn_tc_stages) needs no new
+                // attribute.
+                f.set_attribute(
+                    cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    attn_tc_smem_max as i32,
+                )
+                .map_err(Error::driver("tensor-core attention shared memory size"))?;
                 if let Some(p) = attn_tc_carveout {
                     f.set_attribute(
                         cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
@@ -597,6 +609,7 @@ impl Kernels {
             attn_tc_min_capacity,
             attn_tc_stages,
             attn_tc_early,
+            attn_tc_smem_max,
             attn_head_dim_kernels,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
@@ -1092,7 +1105,10 @@ impl Kernels {
     /// roped) over one layer's cache on tensor cores (attention.cu's `ferrum_attn_gqa_*`), the
     /// q heads of each KV group as the rows of one tile: `out` `[n_tok][heads*head_dim]` f32
     /// with one split, else the partials for [`attn_combine`](Self::attn_combine). Shapes
-    /// outside `plan::attn_tensor_core` are refused.
+    /// outside `plan::attn_tensor_core` are refused. Launch it right after the rope_qkv that
+    /// writes this step's cache rows and q: it reads `pos` and the older cache rows before its
+    /// programmatic-launch wait, which is safe only when the kernel it depends on writes
+    /// neither.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn_gqa(
         &self,
@@ -1138,7 +1154,9 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
-        let stages = i32_of(self.attn_tc_stages, "stages")?;
+        // The configured stage count, or fewer where this GPU's blocks cannot hold it.
+        let n_stages = crate::plan::attn_tc_stages_fitting(self.attn_tc_stages, head_dim, self.attn_tc_smem_max);
+        let stages = i32_of(n_stages, "stages")?;
         let early = i32::from(self.attn_tc_early);
         let mut b = self.builder(pick(self.dtype, Kernel::AttnGqaF16, Kernel::AttnGqaBf16));
         b.arg(&pq)
@@ -1158,7 +1176,7 @@ impl Kernels {
             .arg(&early);
         let grid = (kv_heads as u32, n_splits as u32, grid1(n_tok)?);
         let mut c = cfg(grid, 32);
-        c.shared_mem_bytes = crate::plan::attn_gqa_dyn_bytes(self.attn_tc_stages, head_dim);
+        c.shared_mem_bytes = crate::plan::attn_gqa_dyn_bytes(n_stages, head_dim);
         // SAFETY: block (g, s, t) reads pos[0], the f32 q row t at t*q_stride + h*hd .. +hd
         // (8-byte loads: q_stride, h*hd and the column are even) for the group's heads h =
         // g*G .. g*G + G - 1 (G = heads / kv_heads <= 16, checked above), and cache rows
@@ -1168,10 +1186,14 @@ impl Kernels {
         // zero-filled, reading nothing). With one split it writes out[t][h*hd .. +hd), else
         // part_acc[(t*heads + h)*n_splits + s][..hd] and part_ml[..][0..2] (a null pointer is
         // never written: each pointer is read only on its own branch of n_splits == 1).
-        // Extents checked above; one warp per block; dynamic shared memory for `stages` tiles
-        // of this head dim (2..=6 stages, plan::attn_tc_stages, within the opt-in set at load:
-        // head dim <= 128); signature (const f32*, int, const T*, const T*, f32*, f32*, f32*,
-        // const u32*, int x4, float, int, int) matches.
+        // Before its programmatic-launch wait the kernel reads pos[0] (an L2 load) and, with
+        // `early`, cache rows below pos[0]: the kernel it depends on (rope_qkv) writes
+        // neither (it writes rows pos[0] .. pos[0] + n_tok - 1 and q), and the earlier writers
+        // completed before this grid started (every decode kernel waits before it lets its
+        // dependent launch). Extents checked above; one warp per block; dynamic shared memory
+        // for `n_stages` tiles of this head dim (2..=6, fitted to attn_tc_smem_max, which the
+        // load set as the kernel's allowance); signature (const f32*, int, const T*, const T*,
+        // f32*, f32*, f32*, const u32*, int x4, float, int, int) matches.
         unsafe { b.launch(c) }.map_err(Error::driver("attn_gqa"))?;
         Ok(())
     }
