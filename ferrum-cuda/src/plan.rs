@@ -427,8 +427,7 @@ pub const PF_TILE_ROWS: usize = 32;
 /// Shared-memory stages of the tensor-core decode attention (`ferrum_attn_gqa_*`): each holds
 /// one [`PF_TILE_ROWS`]-row K and V tile, and a warp keeps up to `stages - 1` tiles in flight,
 /// those of its first `stages - 1` whose rows precede the new token issued before the
-/// programmatic-launch wait. Overridden by
-/// `FERRUM_ATTN_TC_STAGES` ([`attn_tc_stages`]).
+/// programmatic-launch wait. Overridden by `FERRUM_ATTN_TC_STAGES` ([`attn_tc_stages`]).
 pub const ATTN_TC_STAGES: usize = 5;
 /// Most stages [`attn_tc_stages`] accepts (attention.cu's `PF_MAX_STAGES`).
 pub const ATTN_TC_MAX_STAGES: usize = 6;
