@@ -198,8 +198,11 @@ __device__ __forceinline__ void combine_rows(float *out_row, const float *acc, c
 // The same operations in the same order as merge_rows (M is a maximum, exact in any order), so
 // bit-identical. At most ATTN_MAX_CLUSTER splits: the host clusters no more
 // (plan::attn_cluster, the portable cluster size); more would be left out here.
+// With `copy` (non-null, shared memory) the merged row also goes there (the o projection
+// inside the attention reads it: attn_o).
 template <int HD>
-__device__ __forceinline__ void merge_cluster_rows(float *out_row, const float *acc, const float *ml, int n_splits) {
+__device__ __forceinline__ void merge_cluster_rows(float *out_row, const float *acc, const float *ml, int n_splits,
+                                                   float *copy) {
     float M = FERRUM_NEG_INF;
 #pragma unroll
     for (int s = 0; s < ATTN_MAX_CLUSTER; ++s)
@@ -218,7 +221,9 @@ __device__ __forceinline__ void merge_cluster_rows(float *out_row, const float *
 #pragma unroll
         for (int s = 0; s < ATTN_MAX_CLUSTER; ++s)
             if (s < n_splits) A = fmaf(acc[s * HD + d], w[s], A);
-        out_row[d] = L > 0.0f ? A / L : 0.0f;
+        const float o = L > 0.0f ? A / L : 0.0f;
+        out_row[d] = o;
+        if (copy != nullptr) copy[d] = o;
     }
 }
 
@@ -431,6 +436,124 @@ __device__ __forceinline__ void cp_early16(uint4 *dst_smem, const uint4 *src) {
 // Waits for this thread's own cp.async copies (each thread reads back only what it copied).
 __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
+// ---------------------------------------------------------------------------------------------
+// The o projection inside the decode attention (ferrum_attn_rope[_early]_o_hd*: one GPU,
+// one decode token, the fused norms, the cluster merge; opt-in, plan::attn_o and attn_o_fits):
+// x += W_o attn, with W_o [hidden][heads * HD] in the model dtype, in place of the separate
+// `_res` GEMV after the attention. Head h's output o_h touches only W_o's columns h*HD .. +HD,
+// so x += y_0 + ... + y_{H-1} with y_h = W_o[:, h] o_h. The n_splits blocks of head h's cluster
+// share y_h's rows: block (rank) j takes rows [j R, (j + 1) R), R = ceil(hidden / n_splits).
+// 1. Before the programmatic-launch wait, each block copies its rows' slice of W_o's head-h
+//    columns (R x HD values; weights are written by no kernel) to the end of its dynamic shared
+//    memory with cp.async, as its last cp.async group. Rows are padded to HD + 8 values (O_LD),
+//    so the 16-byte reads of step 3, one row per thread, are free of bank conflicts (a row
+//    stride of HD / 2 + 4 words moves each thread of a quarter warp by 4 banks).
+// 2. Block 0 merges o_h (merge_cluster_rows, into its s_q) and pushes it into every other
+//    block's s_q with st.async, each completing on that block's own mbarrier (initialised at
+//    the block's start, before the cluster barrier's arrive that block 0 waits on before any
+//    remote store: the protocol of the cluster merge below); the other blocks wait on it.
+// 3. Each block computes its rows of y_h (fp32, its dot in column order with two accumulators,
+//    even and odd columns, summed at the end) into part[h][rows] in global memory.
+// 4. Per row range j, the last of the H blocks (one per head) to finish sums the H partials in
+//    head order and adds the sum to x (the ticket protocol of merge_splits: a fence per thread,
+//    a block barrier, atomicInc of ticket[j] by thread 0, wrapping back to 0 for the next
+//    launch). The result depends neither on which block is last nor on timing:
+//    deterministic, with other f32 rounding than the GEMV (another summation order).
+// x is read and written after the wait only: the kernel this one depends on (the QKV GEMV)
+// reads x and never writes it, and the next one (the gate|up GEMV) reads it after its own wait,
+// which returns once this grid has completed and its writes are visible.
+template <typename T> struct OArgs {
+    const T *wo;        // [hidden][heads * HD]
+    float *x;           // [hidden], x += W_o attn
+    float *part;        // [heads][hidden]: each head's partial
+    uint32_t *ticket;   // [ATTN_MAX_CLUSTER], zero between launches
+    int hidden;
+};
+
+template <int HD> struct OLayout {
+    static constexpr int LD = HD + 8;  // values per padded row
+};
+
+// Rows of y_h per block of an n_splits cluster (plan::attn_o_rows).
+__device__ __forceinline__ int attn_o_rows(int hidden, int n_splits) { return (hidden + n_splits - 1) / n_splits; }
+
+// The shared-memory bytes of a block's W_o slice, 16-byte aligned (plan::attn_o_bytes computes
+// the same for 2-byte weights).
+template <typename T, int HD> __device__ __forceinline__ uint32_t attn_o_bytes(int hidden, int n_splits) {
+    return ((uint32_t)attn_o_rows(hidden, n_splits) * OLayout<HD>::LD * (uint32_t)sizeof(T) + 15u) & ~15u;
+}
+
+// Step 1: this thread's share of rows [r0, r1) of W_o's head-h columns (16 bytes a copy) to
+// s_wo (row r at (r - r0) * O_LD), as one cp.async group committed after every earlier copy of
+// this thread. Every row of W_o starts at a multiple of heads * HD values and the slice at
+// h * HD, both multiples of 8 (HD % 8 == 0), so each 16-byte source is aligned (cuMemAlloc).
+template <typename T, int HD>
+__device__ __forceinline__ void attn_o_load(T *s_wo, const OArgs<T> &o, int heads, int h, int r0, int r1) {
+    constexpr int CH = HD / 8;
+    const T *src = o.wo + (size_t)r0 * heads * HD + (size_t)h * HD;
+    const size_t row = (size_t)heads * HD;
+    for (int i = threadIdx.x; i < (r1 - r0) * CH; i += blockDim.x) {
+        const int r = i / CH, c = i - r * CH;
+        cp_early16(reinterpret_cast<uint4 *>(s_wo + r * OLayout<HD>::LD + c * 8),
+                   reinterpret_cast<const uint4 *>(src + r * row + c * 8));
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// Steps 3 and 4, by every thread of the block that holds rows [r0, r1) of head h, with o_h
+// in `oh` (HD floats in shared memory, float4-aligned: written by this block's threads, or
+// landed on its mbarrier, before the call), `j` the row range's ticket.
+template <typename T, int HD>
+__device__ void attn_o(const T *s_wo, const float *oh, const OArgs<T> &o, int heads, int h, int j, int r0, int r1) {
+    asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's slice copies landed
+    __syncthreads();                                   // and every other thread's (and oh)
+    const float4 *x4 = reinterpret_cast<const float4 *>(oh);
+    float *part = o.part + (size_t)h * o.hidden;
+    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+        const uint4 *w = reinterpret_cast<const uint4 *>(s_wo + (r - r0) * OLayout<HD>::LD);
+        float a0 = 0.0f, a1 = 0.0f;
+        // At most 8 chunks unrolled: whole, ptxas would keep oh's HD values (loop-invariant)
+        // in registers across rows, 2 * HD of them at head dim 256 (255 registers and spills).
+#pragma unroll 8
+        for (int c = 0; c < HD / 8; ++c) {
+            float wf[8];
+            unpack8(w[c], wf, T());
+            const float4 u = x4[2 * c], v = x4[2 * c + 1];
+            a0 = fmaf(wf[0], u.x, a0);
+            a1 = fmaf(wf[1], u.y, a1);
+            a0 = fmaf(wf[2], u.z, a0);
+            a1 = fmaf(wf[3], u.w, a1);
+            a0 = fmaf(wf[4], v.x, a0);
+            a1 = fmaf(wf[5], v.y, a1);
+            a0 = fmaf(wf[6], v.z, a0);
+            a1 = fmaf(wf[7], v.w, a1);
+        }
+        part[r] = a0 + a1;
+    }
+    // Step 4 (merge_splits gives the argument for the fence, the barrier and the ticket).
+    __shared__ bool s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicInc(o.ticket + j, (uint32_t)heads - 1) == (uint32_t)heads - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // The other blocks' partials through L2 (__ldcg: never a stale L1 line), eight heads' loads
+    // in flight at a time, summed in head order (a missing head adds +0: exact).
+    for (int r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+        const float *p = o.part + r;
+        float sum = 0.0f;
+        for (int h0 = 0; h0 < heads; h0 += 8) {
+            float v[8];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) v[i] = h0 + i < heads ? __ldcg(p + (size_t)(h0 + i) * o.hidden) : 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) sum += v[i];
+        }
+        o.x[r] += sum;
+    }
+}
+
 // Cache rows per row slot that ferrum_attn_rope_* copies to shared memory before the wait (K
 // and V: 2 * 16 * ATTN_EARLY_ROWS bytes per thread, 32 KiB for 8 warps, in dynamic shared
 // memory after the cluster merge buffer). When a split's rows fit (ATTN_EARLY_ROWS x the
@@ -480,11 +603,17 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // or a GEMM) writes neither the position (the previous step's argmax, or a host copy, wrote
 // it) nor the cache (rows below pos were written by earlier attention launches, row pos is
 // never read here), and the loads go through L2.
-template <typename T, int HD, bool ROPE, bool EARLY>
+//
+// O (ferrum_attn_rope[_early]_o_*, with ROPE, one split or the cluster merge): the block holding
+// a head's merged output also adds that head's share of the o projection to the residual (see
+// OArgs above); its W_o slice goes at the end of the dynamic shared memory.
+template <typename T, int HD, bool ROPE, bool EARLY, bool O>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
-                          float scale, float *smem, uint4 *s_dyn, const RopeArgs<T> &rope) {
+                          float scale, float *smem, uint4 *s_dyn, const RopeArgs<T> &rope,
+                          const OArgs<T> &oa) {
+    static_assert(!O || ROPE, "the o projection runs inside the fused (RoPE) kernel only");
     constexpr int CH = AttnGeom<HD>::CH, G = AttnGeom<HD>::G, TPW = AttnGeom<HD>::TPW;
     // smem (ATTN_SMEM_FLOATS, shared by every HD instance): q, the new K/V row, the tile's
     // scores, a reduction scratch, the per-slot value partials [ATTN_MAX_WARPS * TPW][HD], and
@@ -514,8 +643,20 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         FERRUM_HAS_CLUSTER && n_splits > 1 && cluster_blocks() == (uint32_t)n_splits && dyn_bytes >= mrg_bytes;
     // Step 0 (block 0 of each cluster) and step 1.
     __shared__ uint64_t s_mbar;
-    const bool merger = cluster && cluster_rank() == 0;
+    const uint32_t rank = cluster ? cluster_rank() : 0u;
+    const bool merger = cluster && rank == 0;
+    // O (the o projection: OArgs above) with the cluster: this block's rows [o_r0, o_r1) of
+    // y_h, its W_o slice at the end of the dynamic shared memory (the host sizes it:
+    // attn_o_bytes after the merge buffer and the early copies), and the mbarrier on which
+    // block 0's push of o_h lands (every block but block 0).
+    const uint32_t o_bytes = O ? attn_o_bytes<T, HD>(oa.hidden, n_splits) : 0u;
+    const bool o_on = O && cluster && dyn_bytes >= mrg_bytes + o_bytes;
+    const int o_rows = O ? attn_o_rows(oa.hidden, n_splits) : 0;
+    const int o_r0 = min((int)rank * o_rows, oa.hidden), o_r1 = min(o_r0 + o_rows, oa.hidden);
+    T *s_wo = reinterpret_cast<T *>(reinterpret_cast<unsigned char *>(s_dyn) + (dyn_bytes - o_bytes));
+    __shared__ uint64_t s_obar;
     if (merger && threadIdx.x == 0) merge_bar_init(&s_mbar, (uint32_t)(n_splits - 1) * (HD + 2) * 4u);
+    if (o_on && !merger && threadIdx.x == 0) merge_bar_init(&s_obar, (uint32_t)HD * 4u);
     if (cluster) cluster_arrive_relaxed();  // step 1: this block has started
     float *s_mrg = reinterpret_cast<float *>(s_dyn);
     uint4 *s_early = s_dyn + (cluster ? mrg_bytes / 16 : 0);
@@ -548,8 +689,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     // A separate instance (EARLY, ferrum_attn_rope_early_*): its buffer handling costs ~40
     // registers, which would halve the blocks resident per multiprocessor for long contexts.
     constexpr int ER = ROPE && EARLY && FERRUM_HAS_PDL ? ATTN_EARLY_ROWS : 0;
-    const bool early =
-        ER > 0 && dyn_bytes >= (cluster ? mrg_bytes : 0u) + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4);
+    const bool early = ER > 0 && dyn_bytes >= (cluster ? mrg_bytes : 0u) + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4) + o_bytes;
     if (early) {
 #pragma unroll
         for (int u = 0; u < ER; ++u) {
@@ -559,6 +699,12 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
                 cp_early16(s_early + (ER + u) * blockDim.x + threadIdx.x, vb + (size_t)t * CH);
             }
         }
+    }
+    // O: the W_o slice, before the wait (weights: written by no kernel), as the last cp.async
+    // group, after the early rows' own group, so the walk waits for those only.
+    if (o_on) {
+        if (early) asm volatile("cp.async.commit_group;" ::: "memory");
+        attn_o_load<T, HD>(s_wo, oa, heads, h, o_r0, o_r1);
     }
 
     const float *qh = q + (size_t)tok * q_stride + h * HD;
@@ -633,7 +779,13 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     }
     FERRUM_TL_PHASE(tl_on, 0, 0.0f);
     // This thread's early copies have landed (it reads back only the slots it copied).
-    if (early) cp_early_wait();
+    if (early) {
+        if (o_on) {
+            asm volatile("cp.async.wait_group 1;" ::: "memory");  // all but the W_o group
+        } else {
+            cp_early_wait();
+        }
+    }
     FERRUM_TL_PHASE(tl_on, 1, 0.0f);
     float qv[8], acc[8];
 #pragma unroll
@@ -793,7 +945,8 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
             A = fmaf(aw, weight(w), A);
         }
         if (n_splits == 1) {
-            out[(size_t)tok * heads * HD + h * HD + d] = L > 0.0f ? A / L : 0.0f;
+            const float o = L > 0.0f ? A / L : 0.0f;
+            out[(size_t)tok * heads * HD + h * HD + d] = o;
         } else if (merger) {
             s_mrg[split * HD + d] = A;
         } else if (cluster) {
@@ -817,13 +970,30 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
     }
     if (cluster) {
         // Step 3: the other blocks are done (their bytes complete on block 0's mbarrier).
-        if (!merger) return;
+        if (!merger) {
+            if (!o_on) return;
+            // O step 2 (OArgs above): o_h lands in this block's s_q (q is in registers since
+            // the walk began), pushed by block 0 after its merge.
+            merge_bar_wait(&s_obar);
+            attn_o<T, HD>(s_wo, s_q, oa, heads, h, (int)rank, o_r0, o_r1);
+            return;
+        }
         __syncthreads();  // block 0's own partial, stored by its threads above
         merge_bar_wait(&s_mbar);
         FERRUM_TL_PHASE(tl_on, 4, 0.0f);
         // Step 4.
-        merge_cluster_rows<HD>(out + ((size_t)tok * heads + h) * HD, s_mrg, s_mrg + n_splits * HD, n_splits);
+        merge_cluster_rows<HD>(out + ((size_t)tok * heads + h) * HD, s_mrg, s_mrg + n_splits * HD, n_splits,
+                               o_on ? s_q : nullptr);
         FERRUM_TL_PHASE(tl_on, 5, 0.0f);
+        if (!o_on) return;
+        // O step 2: o_h (each thread its own columns of s_q, as merge_cluster_rows wrote them)
+        // into every other block's s_q, completing on that block's mbarrier; every block of
+        // the cluster passed step 2 of the merge (cluster_wait above) after initialising it.
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+            for (int rk = 1; rk < n_splits; ++rk)
+                st_async(cluster_map(s_q + d, (uint32_t)rk), s_q[d], cluster_map(&s_obar, (uint32_t)rk));
+        }
+        attn_o<T, HD>(s_wo, s_q, oa, heads, h, 0, o_r0, o_r1);
         return;
     }
     if (n_splits > 1 && counters != nullptr)
@@ -835,34 +1005,35 @@ __device__ void attn(const float *q, int q_stride, const T *k_cache, const T *v_
                      float *part_acc, float *part_ml, uint32_t *counters,
                      const uint32_t *pos_base, int heads, int kv_heads, int hd, int capacity,
                      float scale, const RopeArgs<T> &rope) {
+    const OArgs<T> oa = {nullptr, nullptr, nullptr, nullptr, 0};  // the o projection: none
     __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];
     // The cluster merge buffer and the early K/V copies (see attn_impl), in the launch's
     // dynamic shared memory (none unless the host gives it).
     extern __shared__ uint4 s_dyn[];
     switch (hd) {
     case 16:
-        attn_impl<T, 16, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 16, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                         kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     case 32:
-        attn_impl<T, 32, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                         kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 32, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                         kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     case 64:
-        attn_impl<T, 64, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 64, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     case 96:
-        attn_impl<T, 96, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 96, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     case 128:
-        attn_impl<T, 128, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 128, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     case 256:
-        attn_impl<T, 256, ROPE, EARLY>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
-                        kv_heads, capacity, scale, smem, s_dyn, rope);
+        attn_impl<T, 256, ROPE, EARLY, false>(q, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, heads,
+                        kv_heads, capacity, scale, smem, s_dyn, rope, oa);
         break;
     default:
         break;  // the host only launches supported head dims
@@ -1430,9 +1601,10 @@ FERRUM_ATTN(bf16, bf16)
         __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
         extern __shared__ uint4 s_dyn[];                                                           \
         const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
-        attn_impl<T, HD, true, EARLY>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml,     \
-                                      counters, pos_base, heads, kv_heads, capacity, scale, smem,  \
-                                      s_dyn, rope);                                                \
+        const OArgs<T> no_o = {nullptr, nullptr, nullptr, nullptr, 0};                             \
+        attn_impl<T, HD, true, EARLY, false>(qkv, q_stride, k_cache, v_cache, out, part_acc,       \
+                                             part_ml, counters, pos_base, heads, kv_heads,         \
+                                             capacity, scale, smem, s_dyn, rope, no_o);            \
     }
 #define FERRUM_ATTN_ROPE_HD(S, T, HD)                                                              \
     FERRUM_ATTN_ROPE_HD_KERNEL(ferrum_attn_rope_hd##HD##_##S, T, HD, false)                        \
@@ -1440,3 +1612,29 @@ FERRUM_ATTN(bf16, bf16)
 
 FERRUM_ATTN_ROPE_HD(f16, f16, 128)
 FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)
+
+// The fused decode attention that also adds the o projection to the residual (OArgs above;
+// opt-in: plan::attn_o), one kernel per head dim of plan::ATTN_O_HEAD_DIMS, the generic
+// kernel's parameters and then the o projection's. One instance each keeps the PTX small (the
+// six-head-dim switch took ~35k lines a kernel). NAME ferrum_attn_rope[_early]_o_hdHD_S.
+#define FERRUM_ATTN_ROPE_O_HD_KERNEL(NAME, T, HD, EARLY)                                           \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                     \
+        const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
+        float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
+        int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
+        const T *k_norm, const float *inv_freq, float eps, const T *wo, float *x, float *part_o,   \
+        uint32_t *o_ticket, int hidden) {                                                          \
+        __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
+        extern __shared__ uint4 s_dyn[];                                                           \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        const OArgs<T> o = {wo, x, part_o, o_ticket, hidden};                                      \
+        attn_impl<T, HD, true, EARLY, true>(qkv, q_stride, k_cache, v_cache, out, part_acc,        \
+                                            part_ml, counters, pos_base, heads, kv_heads,          \
+                                            capacity, scale, smem, s_dyn, rope, o);                \
+    }
+#define FERRUM_ATTN_ROPE_O_HD(S, T, HD)                                                            \
+    FERRUM_ATTN_ROPE_O_HD_KERNEL(ferrum_attn_rope_o_hd##HD##_##S, T, HD, false)                    \
+    FERRUM_ATTN_ROPE_O_HD_KERNEL(ferrum_attn_rope_early_o_hd##HD##_##S, T, HD, true)
+
+FERRUM_ATTN_ROPE_O_HD(f16, f16, 64)
+FERRUM_ATTN_ROPE_O_HD(bf16, bf16, 64)

@@ -78,6 +78,12 @@ kernels! {
     AttnRopeHd128Bf16 => "ferrum_attn_rope_hd128_bf16" in "attention",
     AttnRopeEarlyHd128F16 => "ferrum_attn_rope_early_hd128_f16" in "attention",
     AttnRopeEarlyHd128Bf16 => "ferrum_attn_rope_early_hd128_bf16" in "attention",
+    /// `AttnRope*` / `AttnRopeEarly*` for head dim 64 that also add the o projection to the
+    /// residual (x += W_o attn; opt-in, `plan::attn_o`: one GPU, the cluster merge).
+    AttnRopeOHd64F16 => "ferrum_attn_rope_o_hd64_f16" in "attention",
+    AttnRopeOHd64Bf16 => "ferrum_attn_rope_o_hd64_bf16" in "attention",
+    AttnRopeEarlyOHd64F16 => "ferrum_attn_rope_early_o_hd64_f16" in "attention",
+    AttnRopeEarlyOHd64Bf16 => "ferrum_attn_rope_early_o_hd64_bf16" in "attention",
     /// Prefill attention on tensor cores (head dims 16, 32, 64, 96, 128).
     AttnPrefillF16 => "ferrum_attn_prefill_f16" in "attention",
     AttnPrefillBf16 => "ferrum_attn_prefill_bf16" in "attention",

@@ -307,6 +307,14 @@ pub fn attn_head_dim_kernels(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_ATTN_HD_KERNELS", value, 0, 1)?.is_none_or(|v| v == 1))
 }
 
+/// `FERRUM_ATTN_O` (`None` when unset: off): whether one-GPU decode steps do the o projection
+/// inside the decode attention where it applies ([`attn_o_fits`], the cluster merge), 0 or 1.
+/// Off by default: measured slower (SmolLM2-135M on one H200, session 28: 2232–2238 tok/s
+/// against 2607–2615 without; docs/PERF.md).
+pub fn attn_o(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_ATTN_O", value, 0, 1)? == Some(1))
+}
+
 /// Head dims of the tensor-core prefill attention (attention.cu's `attn_prefill` switch);
 /// others take the row-walking kernel.
 pub const PREFILL_HEAD_DIMS: &[usize] = &[16, 32, 64, 96, 128];
@@ -421,6 +429,58 @@ pub fn attn_dyn_bytes(warps: u32, early: bool, cluster: bool, n_splits: usize, h
     merge + early
 }
 
+/// The most shared memory the o projection inside the decode attention takes in one block for
+/// its W_o slice ([`attn_o_bytes`]); wider slices keep the separate o GEMV. 32 KiB takes
+/// SmolLM2-135M (hidden 576, head dim 64, 6 splits: 13.5 KiB), the one model it was measured on;
+/// Llama-3.2-1B's (hidden 2048) would need 48 KiB.
+pub const ATTN_O_MAX_BYTES: u32 = 32 * 1024;
+
+/// Head dims with an o-fused decode attention kernel (attention.cu's
+/// `ferrum_attn_rope[_early]_o_hd64_*`; one instance each keeps the PTX small).
+pub const ATTN_O_HEAD_DIMS: &[usize] = &[64];
+
+/// A bound on the static shared memory of the decode attention kernels (attention.cu's
+/// `ATTN_SMEM_FLOATS` floats and a few scalars: 13.3–13.8 KiB), kept out of the dynamic
+/// allowance so the two fit the GPU's opt-in limit per block.
+pub const ATTN_STATIC_SMEM_BOUND: u32 = 16 * 1024;
+
+/// Rows of a head's o-projection share that each of the `n_splits` blocks of its cluster takes
+/// (attention.cu's `attn_o_rows`).
+pub fn attn_o_rows(hidden: usize, n_splits: usize) -> usize {
+    hidden.div_ceil(n_splits.max(1))
+}
+
+/// Shared memory of one block's W_o slice in the o-fused decode attention (attention.cu's
+/// `attn_o_bytes`): [`attn_o_rows`] rows of `head_dim + 8` 16-bit values (the pad keeps the row
+/// reads free of bank conflicts), rounded up to 16 bytes.
+pub fn attn_o_bytes(hidden: usize, head_dim: usize, n_splits: usize) -> u32 {
+    let b = attn_o_rows(hidden, n_splits).saturating_mul(head_dim + 8).saturating_mul(2);
+    u32::try_from(b).unwrap_or(u32::MAX).saturating_add(15) & !15
+}
+
+/// The dynamic shared-memory allowance of the o-fused decode attention kernels, set at load:
+/// the most the other parts take ([`attn_max_dyn_bytes`]) plus [`ATTN_O_MAX_BYTES`], or what
+/// the GPU's opt-in limit per block (`optin`) leaves beside the static shared memory where
+/// that is less (99 KiB GPUs: sm_86, sm_89, sm_120).
+pub fn attn_o_smem_max(optin: u32) -> u32 {
+    (attn_max_dyn_bytes() + ATTN_O_MAX_BYTES).min(optin.saturating_sub(ATTN_STATIC_SMEM_BOUND))
+}
+
+/// Whether a decode attention launch of `n_splits` splits that already takes `dyn_bytes` of
+/// dynamic shared memory ([`attn_dyn_bytes`]) can also do the o projection of `hidden` rows at
+/// `head_dim` (one of [`ATTN_O_HEAD_DIMS`]): the splits of each head run as one cluster
+/// ([`attn_cluster`] on sm_90: the caller checks; here 2..=[`ATTN_MAX_CLUSTER`]), each block's
+/// W_o slice within [`ATTN_O_MAX_BYTES`], and the whole within `max_bytes` (the kernels'
+/// allowance, [`attn_o_smem_max`]).
+pub fn attn_o_fits(dyn_bytes: u32, hidden: usize, head_dim: usize, n_splits: usize, max_bytes: u32) -> bool {
+    let o = attn_o_bytes(hidden, head_dim, n_splits);
+    hidden > 0
+        && ATTN_O_HEAD_DIMS.contains(&head_dim)
+        && (2..=ATTN_MAX_CLUSTER).contains(&n_splits)
+        && o <= ATTN_O_MAX_BYTES
+        && dyn_bytes.saturating_add(o) <= max_bytes
+}
+
 /// Cache rows per K/V tile of the tensor-core attention kernels (attention.cu's `PF_BN`).
 pub const PF_TILE_ROWS: usize = 32;
 
@@ -475,6 +535,43 @@ mod tests {
     use super::*;
 
     const H200_SMS: usize = 132;
+
+    #[test]
+    fn the_o_fusion_is_opt_in() {
+        assert!(!attn_o(None).unwrap());
+        assert!(!attn_o(Some("0")).unwrap());
+        assert!(attn_o(Some("1")).unwrap());
+        assert!(attn_o(Some("2")).is_err());
+        assert!(attn_o(Some("yes")).is_err());
+    }
+
+    #[test]
+    fn the_o_slice_fits_small_models_only() {
+        // SmolLM2-135M, 6 splits: 96 rows of 64 + 8 values, 2 bytes each.
+        assert_eq!(attn_o_rows(576, 6), 96);
+        assert_eq!(attn_o_bytes(576, 64, 6), 96 * 72 * 2);
+        assert_eq!(attn_o_rows(577, 6), 97);
+        assert_eq!(attn_o_bytes(3, 16, 2) % 16, 0);
+        let h200 = attn_o_smem_max(227 * 1024);
+        assert_eq!(h200, attn_max_dyn_bytes() + ATTN_O_MAX_BYTES);
+        let dyn8 = attn_dyn_bytes(8, true, true, ATTN_MAX_CLUSTER, 64);
+        assert!(attn_o_fits(dyn8, 576, 64, 6, h200));
+        assert!(attn_o_fits(dyn8, 576, 64, ATTN_MAX_CLUSTER, h200));
+        // One split (no cluster) or more than a cluster holds: never.
+        assert!(!attn_o_fits(0, 576, 64, 1, h200));
+        assert!(!attn_o_fits(0, 576, 64, ATTN_MAX_CLUSTER + 1, h200));
+        // Llama-3.2-1B's slice is past the cap; no rows, nothing to do; head dim 128 has no kernel.
+        assert!(!attn_o_fits(0, 576, 128, 6, h200));
+        assert!(!attn_o_fits(0, 2048, 64, 6, h200));
+        assert!(!attn_o_fits(0, 0, 64, 6, h200));
+        // The allowance leaves room for the static part under the GPU's opt-in limit: all of it
+        // on a 99 KiB GPU, less on a 48 KiB one; a zero allowance fits nothing.
+        assert_eq!(attn_o_smem_max(99 * 1024), h200);
+        assert!(attn_o_fits(dyn8, 576, 64, 6, attn_o_smem_max(99 * 1024)));
+        assert_eq!(attn_o_smem_max(48 * 1024), 32 * 1024);
+        assert!(!attn_o_fits(dyn8, 576, 64, 6, attn_o_smem_max(48 * 1024)));
+        assert!(!attn_o_fits(0, 576, 64, 6, 0));
+    }
 
     #[test]
     fn split_k_feeds_small_projections_and_leaves_wide_ones() {

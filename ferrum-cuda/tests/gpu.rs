@@ -757,16 +757,23 @@ fn attention_every_head_dim() {
                 // Only the RoPE fusion and the split merge differ (the norm fusion rounds
                 // differently by design): RoPE inside the attention or not; the splits merged in a
                 // thread-block cluster (sm_90, up to 8 splits), by the last split block, or by the
-                // combine kernel. All bit-identical.
+                // combine kernel. All bit-identical. Last, every fusion with the o projection
+                // inside the attention (with the cluster merge only; other f32 rounding than the
+                // o GEMV): against the reference only, and the o-fused kernel must have run where
+                // it applies.
                 let fusions = [
-                    Fusion::ALL,
-                    Fusion { rope: false, ..Fusion::ALL },
-                    Fusion { cluster: false, ..Fusion::ALL },
-                    Fusion { cluster: false, split_merge: false, ..Fusion::ALL },
+                    (Fusion::ALL, false),
+                    (Fusion { rope: false, ..Fusion::ALL }, false),
+                    (Fusion { cluster: false, ..Fusion::ALL }, false),
+                    (Fusion { cluster: false, split_merge: false, ..Fusion::ALL }, false),
+                    (Fusion::ALL, true),
                 ];
-                for fusion in fusions {
+                let o_applies =
+                    !tc && (2..=plan::ATTN_MAX_CLUSTER).contains(&splits) && plan::ATTN_O_HEAD_DIMS.contains(&hd);
+                for (fusion, attn_o) in fusions {
                     let (_, _, mut r) = build(a, dtype, 5);
                     r.set_fusion(fusion);
+                    r.set_attn_o(attn_o);
                     r.init_sequence(1, cap).unwrap();
                     r.set_attention_splits(1, splits).unwrap();
                     r.prefill(1, &toks).unwrap();
@@ -782,6 +789,17 @@ fn attention_every_head_dim() {
                                 failures
                                     .push(format!("hd {hd} {dtype:?} cap {cap}: {gqa} tensor-core attention launches"));
                             }
+                            let o = prof
+                                .iter()
+                                .filter(|(n, _)| {
+                                    n.starts_with("ferrum_attn_rope_o_") || n.starts_with("ferrum_attn_rope_early_o_")
+                                })
+                                .count();
+                            if o != if attn_o && o_applies { a.layers } else { 0 } {
+                                failures.push(format!(
+                                    "hd {hd} {dtype:?} cap {cap} splits {splits} {fusion:?} o {attn_o}: {o} o-fused attention launches"
+                                ));
+                            }
                         } else {
                             r.decode_step(1, t, prompt + i).unwrap();
                         }
@@ -790,9 +808,10 @@ fn attention_every_head_dim() {
                         logits.push(got.clone());
                     }
                     println!(
-                        "ATTN hd {hd:<3} {:<4} cap {cap:<4} splits {splits} rope fused {:<5} merge {:<7}: max rel err {worst:.2e} (tol {:.0e})",
+                        "ATTN hd {hd:<3} {:<4} cap {cap:<4} splits {splits} rope fused {:<5} o fused {:<5} merge {:<7}: max rel err {worst:.2e} (tol {:.0e})",
                         dtype.name(),
                         fusion.rope,
+                        attn_o && o_applies,
                         r.last_attention_merge(),
                         tol(dtype)
                     );
@@ -804,7 +823,7 @@ fn attention_every_head_dim() {
                     runs.push(logits);
                 }
                 let bits = |v: &Vec<Vec<f32>>| v.iter().flat_map(|l| logit_bits(l)).collect::<Vec<_>>();
-                for (run, what) in runs[1..].iter().zip(["unfused RoPE", "ticket merge", "combine merge"]) {
+                for (run, what) in runs[1..4].iter().zip(["unfused RoPE", "ticket merge", "combine merge"]) {
                     if bits(&runs[0]) != bits(run) {
                         failures.push(format!("hd {hd} {dtype:?} cap {cap} splits {splits}: {what} not bit-identical"));
                     }

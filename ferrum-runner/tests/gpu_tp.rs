@@ -600,7 +600,8 @@ fn device_fed_calls_refuse_bad_input() {
 /// (RoPE and the split merge inside it), which the fusion checks need.
 const SHORT_CAPACITY: usize = ferrum_cuda::plan::ATTN_TC_MIN_CAPACITY - 24;
 
-/// Graphed device-fed greedy steps with every fusion on (and `splits` KV splits when given),
+/// Graphed device-fed greedy steps with `fusion` (and `splits` KV splits when given, and the o
+/// projection inside the attention with `attn_o`),
 /// after a prefill of `p`, bit for bit against the eager host-fed logits `want` (`want[0]` the
 /// prefill's, `want[i + 1]` step i's): each step's logits and its greedy token. Returns the
 /// backend, for checks on how the steps ran.
@@ -608,11 +609,14 @@ fn assert_graphed_steps_match(
     w: &ModelWeights,
     p: &[u32],
     splits: Option<usize>,
+    fusion: Fusion,
+    attn_o: bool,
     want: &[Vec<f32>],
     what: &str,
 ) -> CudaBackend {
     let mut g = tp1(w);
-    g.runner().set_fusion(Fusion::ALL);
+    g.runner().set_fusion(fusion);
+    g.runner().set_attn_o(attn_o);
     let l = g.prefill(p, SHORT_CAPACITY).unwrap();
     if let Some(n) = splits {
         g.runner().set_attention_splits(0, n).unwrap();
@@ -669,7 +673,37 @@ fn fusions_match_the_unfused_step() {
         println!("{arch:?}: split merge bit-identical; fused norms vs unfused worst rel err {worst:.2e}");
         assert!(worst <= 1e-3, "{arch:?}: fused norms: {worst:.3e}");
         // Graphed device-fed steps with every fusion on vs the eager host-fed ones, bit for bit.
-        assert_graphed_steps_match(&w, &long, None, &all, &format!("{arch:?} fused"));
+        assert_graphed_steps_match(&w, &long, None, Fusion::ALL, false, &all, &format!("{arch:?} fused"));
+        // 3. The o projection inside the attention (opt-in, `FERRUM_ATTN_O`; with the cluster
+        //    merge only: 6 splits here, a cluster on sm_90): the same math as the o GEMV in another f32
+        //    summation order, so within 1e-3 of it; graphed steps bit-identical to eager ones
+        //    (the heads' partials are summed in head order whichever block finishes last); and
+        //    the o kernel really ran (its name in the profile, no o GEMV beside it).
+        let six = |attn_o: bool| {
+            let mut b = tp1(&w);
+            b.runner().set_fusion(Fusion::ALL);
+            b.runner().set_attn_o(attn_o);
+            let mut out = vec![b.prefill(&long, SHORT_CAPACITY).unwrap()];
+            b.runner().set_attention_splits(0, 6).unwrap();
+            for _ in 0..24 {
+                let next = argmax(out.last().unwrap());
+                out.push(b.step(next).unwrap());
+            }
+            let prof = b.profile_step(argmax(out.last().unwrap())).unwrap().expect("a CUDA backend profiles");
+            let o_attn = prof
+                .iter()
+                .filter(|(n, _)| n.starts_with("ferrum_attn_rope_o_") || n.starts_with("ferrum_attn_rope_early_o_"))
+                .count();
+            (out, o_attn, prof.len())
+        };
+        let (o_on, o_launches, n_on) = six(true);
+        let (o_off, none, n_off) = six(false);
+        assert_eq!((o_launches, none), (cfg.num_layers, 0), "{arch:?}: o-fused attention launches");
+        assert_eq!(n_on + cfg.num_layers, n_off, "{arch:?}: one o GEMV fewer a layer");
+        let worst = o_on[1..].iter().zip(&o_off[1..]).map(|(a, b)| rel_err(a, b)).fold(0.0, f64::max);
+        println!("{arch:?}: o projection inside the attention vs the o GEMV worst rel err {worst:.2e}");
+        assert!(worst <= 1e-3, "{arch:?}: o fusion: {worst:.3e}");
+        assert_graphed_steps_match(&w, &long, Some(6), Fusion::ALL, true, &o_on, &format!("{arch:?} o fused"));
         // Peaked logits: the greedy tokens must not depend on the fusion.
         let pw = peaked(weights(&cfg, 62), 30.0);
         let mut on = tp1(&pw);
@@ -730,7 +764,7 @@ fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {
                 if p.len() == long.len() {
                     // Graphed device-fed steps with the cluster merge vs the eager ticket merge.
                     let what = format!("{arch:?} {splits} splits");
-                    let mut g = assert_graphed_steps_match(&w, p, Some(splits), &ticket, &what);
+                    let mut g = assert_graphed_steps_match(&w, p, Some(splits), Fusion::ALL, false, &ticket, &what);
                     assert_eq!(g.runner().last_attention_merge(), "cluster", "{what}: graphed");
                 }
             }
@@ -761,8 +795,13 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     assert_eq!(prof.last().map(|x| x.0), Some("(end)"));
     let count = |name: &str| prof.iter().filter(|(k, _)| *k == name).count();
     assert_eq!(count("ferrum_rope_qkv_bf16"), 0, "{prof:?}");
-    // (the `_early` instance when the split fits in its early rows, as this short one does)
-    assert_eq!(count("ferrum_attn_rope_bf16") + count("ferrum_attn_rope_early_bf16"), cfg.num_layers, "{prof:?}");
+    // (the `_early` instance when the split fits in its early rows, as this short one does; the
+    // `_o` ones, which also add the o projection, where that fusion applies: then no o GEMV)
+    let attn = ["ferrum_attn_rope_bf16", "ferrum_attn_rope_early_bf16"].map(count).iter().sum::<usize>();
+    let attn_o = ["ferrum_attn_rope_o_bf16", "ferrum_attn_rope_early_o_bf16"].map(count).iter().sum::<usize>();
+    assert_eq!(attn + attn_o, cfg.num_layers, "{prof:?}");
+    let res = count("ferrum_gemv_res_bf16") + count("ferrum_gemv4_res_bf16");
+    assert_eq!(res, if attn_o > 0 { 1 } else { 2 } * cfg.num_layers, "one or two `_res` GEMVs a layer: {prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");
     assert!(prof.iter().map(|x| x.1).sum::<f64>() > 0.0);
     // The next (unprofiled) step continues from the profiled one.

@@ -267,6 +267,22 @@ pub(crate) struct AttnRope<'a> {
     pub early: bool,
 }
 
+/// What the decode attention needs to add the o projection to the residual itself
+/// ([`Kernels::attn`] with `o`: the "o" fusion, `ferrum_attn_rope[_early]_o_*`).
+#[derive(Clone, Copy)]
+pub(crate) struct AttnO<'a> {
+    /// `[hidden][heads * head_dim]`
+    pub wo: Region<'a, u16>,
+    /// The residual `[hidden]`: x += W_o attn.
+    pub x: Region<'a, f32>,
+    /// Scratch for each head's partial, `[heads][hidden]`.
+    pub part: Region<'a, f32>,
+    /// One ticket counter per block of a cluster (`plan::ATTN_MAX_CLUSTER`), zero between
+    /// launches (each row range's last block wraps its counter back).
+    pub ticket: Region<'a, u32>,
+    pub hidden: usize,
+}
+
 /// The widest hidden size whose decode step fuses the residual adds and norms into the GEMVs,
 /// unless `FERRUM_FUSED_NORMS_MAX_HIDDEN` says otherwise. Measured on an H200 (bf16, `ferrum
 /// bench`): session 9, fused vs `FERRUM_FUSE=0`, hidden 576 (135M) +15%, 2048 (1B) +5%, 4096
@@ -292,6 +308,13 @@ fn is_decode_attention(k: Kernel) -> bool {
             | AttnRopeEarlyHd128F16
             | AttnRopeEarlyHd128Bf16
     )
+}
+
+/// The o-fused decode attention kernels (`AttnRope*O*`), whose launches add
+/// `plan::attn_o_bytes` to `plan::attn_dyn_bytes`.
+fn is_o_attention(k: Kernel) -> bool {
+    use Kernel::*;
+    matches!(k, AttnRopeOHd64F16 | AttnRopeOHd64Bf16 | AttnRopeEarlyOHd64F16 | AttnRopeEarlyOHd64Bf16)
 }
 
 /// The loaded kernels and the cuBLAS handle, bound to one stream.
@@ -355,6 +378,12 @@ pub(crate) struct Kernels {
     /// The tensor-core decode attention's dynamic shared memory allowance (set at load: what
     /// the most stages need, or the GPU's opt-in limit per block where that is less).
     pub(crate) attn_tc_smem_max: u32,
+    /// The o-fused decode attention's dynamic shared memory allowance (`plan::attn_o_smem_max`
+    /// of the GPU's opt-in limit, set at load).
+    pub(crate) attn_o_smem_max: u32,
+    /// One-GPU decode steps add the o projection inside the attention where it applies
+    /// (`FERRUM_ATTN_O`, default off: `plan::attn_o`).
+    pub(crate) fuse_o: bool,
     /// The fused decode attention runs its own kernel for the head dims of
     /// `plan::ATTN_OWN_HEAD_DIMS` (`FERRUM_ATTN_HD_KERNELS`, default on; bit-identical).
     pub(crate) attn_head_dim_kernels: bool,
@@ -520,6 +549,8 @@ impl Kernels {
         let widest = crate::plan::PREFILL_HEAD_DIMS.iter().copied().max().unwrap_or(128);
         let attn_tc_smem_max = crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, widest)
             .min(u32::try_from(optin).unwrap_or(0).max(48 * 1024));
+        let attn_o_smem_max = crate::plan::attn_o_smem_max(u32::try_from(optin).unwrap_or(0));
+        let fuse_o = crate::plan::attn_o(env("FERRUM_ATTN_O")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
@@ -537,6 +568,18 @@ impl Kernels {
             if let Some(p) = carveout {
                 f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, p as i32)
                     .map_err(Error::driver("shared memory carveout"))?;
+            }
+            if is_o_attention(*k) {
+                // Their W_o slice comes on top of the other kernels' dynamic shared memory:
+                // allowed attn_o_smem_max, within the GPU's opt-in limit beside the static part
+                // (launches check that they fit it: plan::attn_o_fits).
+                if attn_o_smem_max > 0 {
+                    f.set_attribute(
+                        cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        attn_o_smem_max as i32,
+                    )
+                    .map_err(Error::driver("o-fused attention shared memory size"))?;
+                }
             }
             if is_decode_attention(*k) {
                 // The cluster merge buffer and the early copies can take the static and dynamic
@@ -610,6 +653,8 @@ impl Kernels {
             attn_tc_stages,
             attn_tc_early,
             attn_tc_smem_max,
+            attn_o_smem_max,
+            fuse_o,
             attn_head_dim_kernels,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
@@ -891,11 +936,14 @@ impl Kernels {
     /// `counters` is not null, and by [`Self::attn_combine`] otherwise. With `rope` (one decode
     /// token only) `q` is the raw qkv row and the kernel also does [`Self::rope_qkv`]'s work,
     /// appending the new K/V row to the caches (`ferrum_attn_rope_*`, bit-identical to the two
-    /// launches).
+    /// launches). With `o` as well (one split or `cluster`), the kernel also adds the o
+    /// projection to the residual (`ferrum_attn_rope[_early]_o_*`; `plan::attn_o_fits` must
+    /// allow it).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
         rope: Option<AttnRope<'_>>,
+        o: Option<AttnO<'_>>,
         q: Region<'_, f32>,
         q_stride: usize,
         k_cache: Region<'_, u16>,
@@ -968,6 +1016,34 @@ impl Kernels {
                 ))
             }
         };
+        let early = rope.as_ref().is_some_and(|r| r.early);
+        let dyn_bytes = crate::plan::attn_dyn_bytes(warps, early, cluster, n_splits, head_dim);
+        let o_args = match &o {
+            None => None,
+            Some(o) => {
+                // One token with the RoPE fusion (checked above for `rope`), and the splits of
+                // each head in one cluster (which shares the head's o-projection rows).
+                if rope_args.is_none() || !cluster {
+                    return Err(Error::Internal(format!(
+                        "attn with o: rope {}, {n_splits} splits, cluster {cluster}",
+                        rope_args.is_some()
+                    )));
+                }
+                if !crate::plan::attn_o_fits(dyn_bytes, o.hidden, head_dim, n_splits, self.attn_o_smem_max) {
+                    return Err(Error::Internal(format!(
+                        "attn with o: hidden {} at head dim {head_dim} past the shared memory allowance",
+                        o.hidden
+                    )));
+                }
+                Some((
+                    o.wo.need(o.hidden * heads * head_dim, "attn o weights")?,
+                    o.x.need(o.hidden, "attn o residual")?,
+                    o.part.need(heads * o.hidden, "attn o partials")?,
+                    o.ticket.need(crate::plan::ATTN_MAX_CLUSTER, "attn o tickets")?,
+                    i32_of(o.hidden, "hidden")?,
+                ))
+            }
+        };
         let qs = i32_of(q_stride, "q_stride")?;
         let (h, kvh, hd, cap) = (
             i32_of(heads, "heads")?,
@@ -976,12 +1052,18 @@ impl Kernels {
             i32_of(capacity, "capacity")?,
         );
         let scale = 1.0f32 / (head_dim as f32).sqrt();
-        let early = rope.as_ref().is_some_and(|r| r.early);
         // The fused kernels of head dim 128 have their own instance (plan::ATTN_OWN_HEAD_DIMS;
         // the same signature, the head dim passed and ignored).
         let own =
             (self.attn_head_dim_kernels && crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim)).then_some(head_dim);
         let kernel = match (rope_args.is_some(), early, own) {
+            // (attn_o_fits, checked above, admits plan::ATTN_O_HEAD_DIMS = [64] only)
+            (true, true, _) if o_args.is_some() => {
+                pick(self.dtype, Kernel::AttnRopeEarlyOHd64F16, Kernel::AttnRopeEarlyOHd64Bf16)
+            }
+            (true, false, _) if o_args.is_some() => {
+                pick(self.dtype, Kernel::AttnRopeOHd64F16, Kernel::AttnRopeOHd64Bf16)
+            }
             (false, _, _) => pick(self.dtype, Kernel::AttnF16, Kernel::AttnBf16),
             (true, true, None) => pick(self.dtype, Kernel::AttnRopeEarlyF16, Kernel::AttnRopeEarlyBf16),
             (true, false, None) => pick(self.dtype, Kernel::AttnRopeF16, Kernel::AttnRopeBf16),
@@ -995,9 +1077,12 @@ impl Kernels {
         if let Some((bias, qn, kn, freq, eps)) = &rope_args {
             b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
         }
+        if let Some((wo, x, part, ticket, hidden)) = &o_args {
+            b.arg(wo).arg(x).arg(part).arg(ticket).arg(hidden);
+        }
         let grid = (heads as u32, grid1(n_splits)?, grid1(n_tok)?);
         let mut c = cfg(grid, 32 * warps);
-        c.shared_mem_bytes = crate::plan::attn_dyn_bytes(warps, early, cluster, n_splits, head_dim);
+        c.shared_mem_bytes = dyn_bytes + o.map_or(0, |o| crate::plan::attn_o_bytes(o.hidden, head_dim, n_splits));
         if cluster {
             b.cluster_y(grid.1);
         }
@@ -1028,7 +1113,16 @@ impl Kernels {
         // %dynamic_smem_size before using it). The fused kernels read pos[0] and (`_early`)
         // cache rows below pos before their programmatic-launch wait: those were written by
         // kernels that have completed by then (attention.cu gives the argument), and the
-        // extents are the ones checked above.
+        // extents are the ones checked above. With `o` (the `_o` kernels: one token, rope and
+        // the cluster, checked above; the extra parameters (const T*, f32*, f32*, u32*, int)
+        // follow the rope ones), block j of head h's cluster reads wo's columns h*hd .. +hd of
+        // its rows [j*R, (j+1)*R) ∩ [0, hidden) (R = attn_o_rows; hidden * heads * hd checked),
+        // copies them to the end of its dynamic shared memory (attn_o_bytes, added above,
+        // within the attn_o_smem_max allowance set at load: attn_o_fits checked), receives
+        // block 0's merged row in its own static shared memory (st.async within the cluster),
+        // writes part[h][those rows] and increments ticket[j] (j < n_splits <=
+        // ATTN_MAX_CLUSTER); the last of the `heads` blocks of row range j reads part[*][its
+        // rows] and reads and writes x[its rows] (extents checked above).
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }

@@ -13,7 +13,7 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice,
     ValidAsZeroBits,
 };
-use launch::{region, whole, ArgmaxSplit, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
+use launch::{region, whole, ArgmaxSplit, AttnO, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -267,6 +267,10 @@ struct Acts {
     part_ml: CudaSlice<f32>,
     /// One ticket counter per head for the fused split-KV merge (zero between launches).
     attn_counters: CudaSlice<u32>,
+    /// Each head's share of the o projection `[heads][hidden]` and the o-fused attention's
+    /// ticket counter per row range (`plan::ATTN_MAX_CLUSTER`, zero between launches).
+    part_o: CudaSlice<f32>,
+    o_ticket: CudaSlice<u32>,
 }
 
 impl Acts {
@@ -293,6 +297,8 @@ impl Acts {
             part_acc: alloc::<f32>(ctx, stream, s.heads * splits * s.head_dim, "attention partials")?,
             part_ml: alloc::<f32>(ctx, stream, s.heads * splits * 2, "attention partials")?,
             attn_counters: alloc::<u32>(ctx, stream, s.heads, "attention split counters")?,
+            part_o: alloc::<f32>(ctx, stream, s.heads * s.hidden, "o projection partials")?,
+            o_ticket: alloc::<u32>(ctx, stream, crate::plan::ATTN_MAX_CLUSTER, "o projection tickets")?,
         })
     }
 }
@@ -1323,6 +1329,17 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Whether one-GPU decode steps do the o projection inside the decode attention where it
+    /// applies (as `FERRUM_ATTN_O` would at start-up; off by default, `plan::attn_o`): with the
+    /// fused norms and RoPE, the cluster merge, and W_o slices within
+    /// `plan::ATTN_O_MAX_BYTES`. The same math as the o GEMV with other f32 rounding. For tests
+    /// and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_attn_o(&mut self, on: bool) {
+        self.k.fuse_o = on;
+        self.generation += 1;
+    }
+
     /// Sets the tensor-core decode attention's shared-memory stages (as `FERRUM_ATTN_TC_STAGES`
     /// would at start-up, 2..=`plan::ATTN_TC_MAX_STAGES`) and whether it issues tiles before the
     /// programmatic-launch wait (`FERRUM_ATTN_TC_EARLY`). Bit-identical for every setting (the
@@ -1712,6 +1729,20 @@ fn forward(
     // At most plan::ATTN_MAX_CLUSTER splits on the compute_90 kernels (k.pdl): the split blocks
     // of each head run as one thread-block cluster and merge through distributed shared memory.
     let cluster_merge = fused_merge && k.fuse_cluster && crate::plan::attn_cluster(splits, k.pdl);
+    // One GPU with the fused norms and RoPE, the splits of each head in one cluster (which
+    // shares the head's o-projection rows), and the W_o slices within the shared-memory
+    // allowance: the attention also does x += W_o attn, in place of the o GEMV.
+    let fused_o = k.fuse_o
+        && fused_norms
+        && fused_rope
+        && cluster_merge
+        && crate::plan::attn_o_fits(
+            crate::plan::attn_dyn_bytes(attn_warps, early, cluster_merge, splits, s.head_dim),
+            h,
+            s.head_dim,
+            splits,
+            k.attn_o_smem_max,
+        );
     if decode {
         k.last_merge.set(match (splits > 1, cluster_merge, fused_merge) {
             (false, _, _) => "none",
@@ -1806,8 +1837,16 @@ fn forward(
                 seq.capacity,
             )?;
         } else {
+            let o = AttnO {
+                wo: whole(&lw.wo, st)?,
+                x: region(&a.x, st, 0, h)?,
+                part: whole(&a.part_o, st)?,
+                ticket: whole(&a.o_ticket, st)?,
+                hidden: h,
+            };
             k.attn(
                 fused_rope.then_some(rope),
+                fused_o.then_some(o),
                 region(&a.qkv, st, 0, n * qkv_dim)?,
                 qkv_dim,
                 kc,
@@ -1839,15 +1878,18 @@ fn forward(
             )?;
         }
         if fused_norms {
-            // x += W_o attn; h = silu·mul of W_gu (RMSNorm(x) * mlp_norm); x += W_down h
-            k.gemv_io(
-                region(&a.x, st, 0, h)?,
-                whole(&lw.wo, st)?,
-                region(&a.attn, st, 0, q_dim)?,
-                h,
-                q_dim,
-                GemvIo::AddTo,
-            )?;
+            // x += W_o attn (unless the attention did it); h = silu·mul of W_gu (RMSNorm(x) *
+            // mlp_norm); x += W_down h
+            if !fused_o {
+                k.gemv_io(
+                    region(&a.x, st, 0, h)?,
+                    whole(&lw.wo, st)?,
+                    region(&a.attn, st, 0, q_dim)?,
+                    h,
+                    q_dim,
+                    GemvIo::AddTo,
+                )?;
+            }
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
             k.gemv_gateup_io(
                 region(&a.h, st, 0, inter)?,
