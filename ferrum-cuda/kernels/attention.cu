@@ -275,7 +275,8 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 //    and block 0's mbarrier is initialised;
 // 3. each other block stores its partial into its split's slot of block 0's merge buffer with
 //    st.async, each store completing its bytes on block 0's mbarrier, and exits: none of its
-//    own shared memory is read by anyone. (Its stores may still be in flight when it exits;
+//    own shared memory is read by anyone (with O, the o projection, it does not exit: it
+//    waits for block 0's push of the merged row into its own shared memory, OArgs). (Its stores may still be in flight when it exits;
 //    the PTX ISA ties st.async to the target block's lifetime, which block 0's wait covers, and
 //    says nothing against the source exiting: the GPU tests merge correctly this way.) Block 0 stores its own partial locally, passes a
 //    block barrier, and waits (acquire, cluster scope) for the mbarrier's phase: then every
@@ -445,7 +446,7 @@ __device__ __forceinline__ void cp_early_wait() { asm volatile("cp.async.wait_al
 // share y_h's rows: block (rank) j takes rows [j R, (j + 1) R), R = ceil(hidden / n_splits).
 // 1. Before the programmatic-launch wait, each block copies its rows' slice of W_o's head-h
 //    columns (R x HD values; weights are written by no kernel) to the end of its dynamic shared
-//    memory with cp.async, as its last cp.async group. Rows are padded to HD + 8 values (O_LD),
+//    memory with cp.async, as its last cp.async group. Rows are padded to HD + 8 values (OLayout::LD),
 //    so the 16-byte reads of step 3, one row per thread, are free of bank conflicts (a row
 //    stride of HD / 2 + 4 words moves each thread of a quarter warp by 4 banks).
 // 2. Block 0 merges o_h (merge_cluster_rows, into its s_q) and pushes it into every other
@@ -484,7 +485,7 @@ template <typename T, int HD> __device__ __forceinline__ uint32_t attn_o_bytes(i
 }
 
 // Step 1: this thread's share of rows [r0, r1) of W_o's head-h columns (16 bytes a copy) to
-// s_wo (row r at (r - r0) * O_LD), as one cp.async group committed after every earlier copy of
+// s_wo (row r at (r - r0) * OLayout::LD), as one cp.async group committed after every earlier copy of
 // this thread. Every row of W_o starts at a multiple of heads * HD values and the slice at
 // h * HD, both multiples of 8 (HD % 8 == 0), so each 16-byte source is aligned (cuMemAlloc).
 template <typename T, int HD>
@@ -604,9 +605,10 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // it) nor the cache (rows below pos were written by earlier attention launches, row pos is
 // never read here), and the loads go through L2.
 //
-// O (ferrum_attn_rope[_early]_o_*, with ROPE, one split or the cluster merge): the block holding
-// a head's merged output also adds that head's share of the o projection to the residual (see
-// OArgs above); its W_o slice goes at the end of the dynamic shared memory.
+// O (ferrum_attn_rope[_early]_o_hd64_*, with ROPE and the cluster merge only: without the
+// cluster no block does the projection, so the host never launches that): every block of a
+// head's cluster also adds its rows of the head's share of the o projection to the residual
+// (see OArgs above); its W_o slice goes at the end of the dynamic shared memory.
 template <typename T, int HD, bool ROPE, bool EARLY, bool O>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,

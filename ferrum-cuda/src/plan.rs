@@ -432,7 +432,8 @@ pub fn attn_dyn_bytes(warps: u32, early: bool, cluster: bool, n_splits: usize, h
 /// The most shared memory the o projection inside the decode attention takes in one block for
 /// its W_o slice ([`attn_o_bytes`]); wider slices keep the separate o GEMV. 32 KiB takes
 /// SmolLM2-135M (hidden 576, head dim 64, 6 splits: 13.5 KiB), the one model it was measured on;
-/// Llama-3.2-1B's (hidden 2048) would need 48 KiB.
+/// Llama-3.2-1B's (hidden 2048) would need 48 KiB at 6 splits (36 at 8; its short caches take
+/// more splits than a cluster holds, so it never applies there).
 pub const ATTN_O_MAX_BYTES: u32 = 32 * 1024;
 
 /// Head dims with an o-fused decode attention kernel (attention.cu's
@@ -440,7 +441,7 @@ pub const ATTN_O_MAX_BYTES: u32 = 32 * 1024;
 pub const ATTN_O_HEAD_DIMS: &[usize] = &[64];
 
 /// A bound on the static shared memory of the decode attention kernels (attention.cu's
-/// `ATTN_SMEM_FLOATS` floats and a few scalars: 13.3–13.8 KiB), kept out of the dynamic
+/// `ATTN_SMEM_FLOATS` floats and a few scalars: 13.2–13.8 KiB), kept out of the dynamic
 /// allowance so the two fit the GPU's opt-in limit per block.
 pub const ATTN_STATIC_SMEM_BOUND: u32 = 16 * 1024;
 
@@ -461,7 +462,8 @@ pub fn attn_o_bytes(hidden: usize, head_dim: usize, n_splits: usize) -> u32 {
 /// The dynamic shared-memory allowance of the o-fused decode attention kernels, set at load:
 /// the most the other parts take ([`attn_max_dyn_bytes`]) plus [`ATTN_O_MAX_BYTES`], or what
 /// the GPU's opt-in limit per block (`optin`) leaves beside the static shared memory where
-/// that is less (99 KiB GPUs: sm_86, sm_89, sm_120).
+/// that is less (not on 99 KiB GPUs such as sm_86 / sm_89 / sm_120, where the sum, ~72 KiB,
+/// fits; on a 48 KiB one).
 pub fn attn_o_smem_max(optin: u32) -> u32 {
     (attn_max_dyn_bytes() + ATTN_O_MAX_BYTES).min(optin.saturating_sub(ATTN_STATIC_SMEM_BOUND))
 }

@@ -795,7 +795,8 @@ fn attention_every_head_dim() {
                                     n.starts_with("ferrum_attn_rope_o_") || n.starts_with("ferrum_attn_rope_early_o_")
                                 })
                                 .count();
-                            if o != if attn_o && o_applies { a.layers } else { 0 } {
+                            // (the cluster merge needs the compute_90 kernels)
+                            if o != if attn_o && o_applies && r.programmatic_launch() { a.layers } else { 0 } {
                                 failures.push(format!(
                                     "hd {hd} {dtype:?} cap {cap} splits {splits} {fusion:?} o {attn_o}: {o} o-fused attention launches"
                                 ));

@@ -798,10 +798,12 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     // (the `_early` instance when the split fits in its early rows, as this short one does; the
     // `_o` ones, which also add the o projection, where that fusion applies: then no o GEMV)
     let attn = ["ferrum_attn_rope_bf16", "ferrum_attn_rope_early_bf16"].map(count).iter().sum::<usize>();
-    let attn_o = ["ferrum_attn_rope_o_bf16", "ferrum_attn_rope_early_o_bf16"].map(count).iter().sum::<usize>();
+    let attn_o =
+        ["ferrum_attn_rope_o_hd64_bf16", "ferrum_attn_rope_early_o_hd64_bf16"].map(count).iter().sum::<usize>();
     assert_eq!(attn + attn_o, cfg.num_layers, "{prof:?}");
     let res = count("ferrum_gemv_res_bf16") + count("ferrum_gemv4_res_bf16");
-    assert_eq!(res, if attn_o > 0 { 1 } else { 2 } * cfg.num_layers, "one or two `_res` GEMVs a layer: {prof:?}");
+    let res_per_layer = if attn_o > 0 { 1 } else { 2 };
+    assert_eq!(res, res_per_layer * cfg.num_layers, "one or two `_res` GEMVs a layer: {prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");
     assert!(prof.iter().map(|x| x.1).sum::<f64>() > 0.0);
     // The next (unprofiled) step continues from the profiled one.

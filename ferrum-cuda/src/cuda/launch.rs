@@ -936,9 +936,10 @@ impl Kernels {
     /// `counters` is not null, and by [`Self::attn_combine`] otherwise. With `rope` (one decode
     /// token only) `q` is the raw qkv row and the kernel also does [`Self::rope_qkv`]'s work,
     /// appending the new K/V row to the caches (`ferrum_attn_rope_*`, bit-identical to the two
-    /// launches). With `o` as well (one split or `cluster`), the kernel also adds the o
-    /// projection to the residual (`ferrum_attn_rope[_early]_o_*`; `plan::attn_o_fits` must
-    /// allow it).
+    /// launches). With `o` as well (and `cluster`: the other paths are refused), the kernel also
+    /// adds the o projection to the residual (`ferrum_attn_rope[_early]_o_hd64_*`, which
+    /// ignore their head-dim argument: `plan::attn_o_fits` must allow it, which admits head
+    /// dim 64 only).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
