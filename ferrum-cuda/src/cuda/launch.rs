@@ -356,6 +356,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_GEMV_KS_EXACT`: the largest split that `plan::gemv_split_k_exact` may raise a
     /// shape's split-K to (one column stripe per warp; 0: off).
     pub(crate) gemv_ks_exact: u32,
+    /// Split-K factors for single shapes (`FERRUM_GEMV_KS_SHAPES`: `plan::gemv_ks_shapes`),
+    /// `(rows, cols, ks)` with gate|up's rows counted twice.
+    pub(crate) gemv_ks_shapes: Vec<(usize, usize, u32)>,
     /// The GEMV tuning's tie margin in tenths of a percent (`plan::GEMV_TIE_PERMILLE`, or
     /// `FERRUM_GEMV_TIE`): among launches this close to the fastest, the fewest blocks win.
     pub(crate) gemv_tie: usize,
@@ -537,6 +540,7 @@ impl Kernels {
         let gemv_variant = crate::plan::gemv_variant(env("FERRUM_GEMV_VARIANT")?.as_deref())?;
         let gemv_max_ks = crate::plan::gemv_split_k_cap(env("FERRUM_GEMV_SPLIT_K")?.as_deref())?;
         let gemv_ks_exact = crate::plan::gemv_ks_exact(env("FERRUM_GEMV_KS_EXACT")?.as_deref())?;
+        let gemv_ks_shapes = crate::plan::gemv_ks_shapes(env("FERRUM_GEMV_KS_SHAPES")?.as_deref())?;
         let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
@@ -618,6 +622,7 @@ impl Kernels {
             ?gemv_variant,
             gemv_max_ks,
             gemv_ks_exact,
+            ?gemv_ks_shapes,
             gemv_tie,
             gemv_warps_per_sm,
             ?gemv_lanes,
@@ -646,6 +651,7 @@ impl Kernels {
             gemv_variant,
             gemv_max_ks,
             gemv_ks_exact,
+            gemv_ks_shapes,
             gemv_tie,
             gemv_warps_per_sm,
             gemv_lanes,

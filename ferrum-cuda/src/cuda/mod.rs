@@ -1297,7 +1297,9 @@ impl CudaDecodeRunner {
         self.k.gemv_ks_exact = max;
         for (&(rows, cols, gateup), e) in self.k.gemv_table.iter_mut() {
             let rows = if gateup { 2 * rows } else { rows };
-            e.ks = gemv_split_k_exact(rows, cols, self.sms, self.k.gemv_max_ks, self.k.gemv_warps_per_sm, max);
+            e.ks = crate::plan::gemv_ks_shape(&self.k.gemv_ks_shapes, rows, cols).unwrap_or_else(|| {
+                gemv_split_k_exact(rows, cols, self.sms, self.k.gemv_max_ks, self.k.gemv_warps_per_sm, max)
+            });
         }
     }
 
@@ -1461,9 +1463,12 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     ];
     // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
     // variants timed below all share it, so the choice changes speed only.
+    let ks_shapes = k.gemv_ks_shapes.clone();
+    let (max_ks, warps_per_sm, ks_exact) = (k.gemv_max_ks, k.gemv_warps_per_sm, k.gemv_ks_exact);
     let ks_of = |rows: usize, cols: usize, gateup: bool| {
         let rows = if gateup { 2 * rows } else { rows };
-        gemv_split_k_exact(rows, cols, sms, k.gemv_max_ks, k.gemv_warps_per_sm, k.gemv_ks_exact)
+        crate::plan::gemv_ks_shape(&ks_shapes, rows, cols)
+            .unwrap_or_else(|| gemv_split_k_exact(rows, cols, sms, max_ks, warps_per_sm, ks_exact))
     };
     if let Some(i) = k.gemv_variant {
         // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
