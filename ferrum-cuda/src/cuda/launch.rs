@@ -427,7 +427,8 @@ pub(crate) enum GemvIo<'a> {
 /// factor `ks` (warps sharing one row group, each over its own column stripes; see gemv.cu).
 /// For one `ks`, every variant computes each dot product in the same order, so all give
 /// bit-identical results; `ks` is fixed per shape by `plan::gemv_split_k_exact` (the target of
-/// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`), and the runner times, per
+/// `FERRUM_GEMV_WARPS_PER_SM`, default `plan::GEMV_WARPS_PER_SM`; `FERRUM_GEMV_KS_SHAPES` may
+/// name another for single shapes: `plan::gemv_ks_shapes`), and the runner times, per
 /// shape at start-up, the variants whose busiest multiprocessor has the least work or within
 /// `plan::GEMV_BALANCE_SLACK_PCT` of it (`plan::gemv_balanced`) and keeps the fastest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

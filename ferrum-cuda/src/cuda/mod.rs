@@ -1287,8 +1287,9 @@ impl CudaDecodeRunner {
     }
 
     /// For tests: recomputes every tuned GEMV shape's split-K factor as
-    /// `FERRUM_GEMV_KS_EXACT=max` would have chosen it at start-up (`plan::gemv_split_k_exact`),
-    /// keeping each shape's launch variant. A shape whose split changes rounds differently (its
+    /// `FERRUM_GEMV_KS_EXACT=max` would have chosen it at start-up (`plan::gemv_split_k_exact`,
+    /// or the split `FERRUM_GEMV_KS_SHAPES` names for the shape), keeping each shape's launch
+    /// variant. A shape whose split changes rounds differently (its
     /// stripes are summed in another grouping), so the result is checked against the CPU
     /// reference, not against the other splits' bits.
     #[doc(hidden)]
@@ -1470,6 +1471,13 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         crate::plan::gemv_ks_shape(&ks_shapes, rows, cols)
             .unwrap_or_else(|| gemv_split_k_exact(rows, cols, sms, max_ks, warps_per_sm, ks_exact))
     };
+    // A FERRUM_GEMV_KS_SHAPES entry that names no shape of this model changes nothing: say so
+    // (gate|up's rows count both halves there, unlike the choices logged below).
+    for &(r, c, ks) in &ks_shapes {
+        if !shapes.iter().any(|(rows, cols, gateup, _)| (if *gateup { 2 * rows } else { *rows }, *cols) == (r, c)) {
+            tracing::warn!(rows = r, cols = c, ks, "FERRUM_GEMV_KS_SHAPES names no GEMV shape of this model");
+        }
+    }
     if let Some(i) = k.gemv_variant {
         // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
         for (rows, cols, gateup, _) in &shapes {
@@ -1544,7 +1552,9 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
                 }
             }
             times.sort_by(f32::total_cmp);
-            timed.push((times[times.len() / 2], launch.0, v));
+            let t = times[times.len() / 2];
+            tracing::debug!(rows, cols, gateup, variant = ?v, blocks = launch.0, us = t * 1e3, "GEMV variant timed");
+            timed.push((t, launch.0, v));
         }
         let pick = crate::plan::gemv_pick(&timed.iter().map(|t| (t.0, t.1)).collect::<Vec<_>>(), k.gemv_tie);
         let (t, _, v) = pick.map_or((f32::MAX, 0, GemvVariant { ks, ..GemvVariant::default() }), |i| timed[i]);
