@@ -256,6 +256,16 @@ pub fn gemv_ks_shapes(value: Option<&str>) -> crate::Result<Vec<(usize, usize, u
     Ok(out)
 }
 
+/// The weight rows of a GEMV shape of `rows` outputs: both halves' `2 * rows` for the stacked
+/// gate|up (`gateup`), else `rows`. The split-K rules and [`gemv_ks_shapes`] count these.
+pub fn gemv_weight_rows(rows: usize, gateup: bool) -> usize {
+    if gateup {
+        2 * rows
+    } else {
+        rows
+    }
+}
+
 /// The split-K factor that `shapes` ([`gemv_ks_shapes`]) sets for a GEMV of `rows` (gate|up:
 /// both halves) by `cols`, if any (the first entry for the shape).
 pub fn gemv_ks_shape(shapes: &[(usize, usize, u32)], rows: usize, cols: usize) -> Option<u32> {
@@ -591,6 +601,9 @@ mod tests {
         assert_eq!(two, vec![(2048, 2048, 1), (3072, 2048, 3)]);
         assert_eq!(gemv_ks_shape(&two, 3072, 2048), Some(3));
         assert_eq!(gemv_ks_shape(&two, 2048, 3072), None);
+        // gate|up counts both halves (Llama-3.2-1B: 8192 outputs, 16384 weight rows).
+        assert_eq!(gemv_weight_rows(8192, true), 16384);
+        assert_eq!(gemv_weight_rows(2048, false), 2048);
         for bad in ["2048x2048", "2048:2", "2048x2048:9", "2048x2048:0", "ax2:1", "0x2048:2", "2048x2048:-1"] {
             let e = gemv_ks_shapes(Some(bad)).unwrap_err();
             assert!(matches!(e, crate::Error::InvalidArgument(_)), "{bad:?}: {e:?}");

@@ -1297,7 +1297,7 @@ impl CudaDecodeRunner {
         self.generation += 1;
         self.k.gemv_ks_exact = max;
         for (&(rows, cols, gateup), e) in self.k.gemv_table.iter_mut() {
-            let rows = if gateup { 2 * rows } else { rows };
+            let rows = crate::plan::gemv_weight_rows(rows, gateup);
             e.ks = crate::plan::gemv_ks_shape(&self.k.gemv_ks_shapes, rows, cols).unwrap_or_else(|| {
                 gemv_split_k_exact(rows, cols, self.sms, self.k.gemv_max_ks, self.k.gemv_warps_per_sm, max)
             });
@@ -1467,14 +1467,17 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     let ks_shapes = k.gemv_ks_shapes.clone();
     let (max_ks, warps_per_sm, ks_exact) = (k.gemv_max_ks, k.gemv_warps_per_sm, k.gemv_ks_exact);
     let ks_of = |rows: usize, cols: usize, gateup: bool| {
-        let rows = if gateup { 2 * rows } else { rows };
+        let rows = crate::plan::gemv_weight_rows(rows, gateup);
         crate::plan::gemv_ks_shape(&ks_shapes, rows, cols)
             .unwrap_or_else(|| gemv_split_k_exact(rows, cols, sms, max_ks, warps_per_sm, ks_exact))
     };
     // A FERRUM_GEMV_KS_SHAPES entry that names no shape of this model changes nothing: say so
     // (gate|up's rows count both halves there, unlike the choices logged below).
     for &(r, c, ks) in &ks_shapes {
-        if !shapes.iter().any(|(rows, cols, gateup, _)| (if *gateup { 2 * rows } else { *rows }, *cols) == (r, c)) {
+        if !shapes
+            .iter()
+            .any(|(rows, cols, gateup, _)| (crate::plan::gemv_weight_rows(*rows, *gateup), *cols) == (r, c))
+        {
             tracing::warn!(rows = r, cols = c, ks, "FERRUM_GEMV_KS_SHAPES names no GEMV shape of this model");
         }
     }
