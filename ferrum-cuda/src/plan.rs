@@ -103,8 +103,27 @@ pub fn gemv_split_k_exact(
 /// µs in the others); at 1% eight processes of eight took the 240-block launch (2632–2638 tok/s;
 /// 0 of 8 is not yet significant against 3 of 28); at 2% one of six took a 4-row launch
 /// (120 blocks, timed 1.6565 µs) and ran 2599. Llama-3.2-1B and Llama-3-8B ran alike at 0.5% and
-/// 2%; 1% itself was not run at 8B beside 0.5%.
+/// 2%, and Llama-3-8B at 1% against 0.5% (session 30: 260 / 260 tok/s either way).
 pub const GEMV_TIE_PERMILLE: usize = 10;
+
+/// Device-fed decode steps per captured graph (`FERRUM_GRAPH_STEPS` overrides it: a
+/// measurement knob): a runner's device-fed steps run as replays of a graph that holds this
+/// many consecutive steps (each step's last kernel writes the next step's token and position
+/// into the step buffer, and the next step's first kernel waits for it), and a batch's
+/// remainder as replays of a one-step graph. Inside one graph the boundary between two steps
+/// is a programmatic launch like every other kernel boundary; between two replays the next
+/// step starts only after the whole previous graph has completed, and on a TP group each
+/// replay is waited for by the host. Bit-identical for every count (the same kernels in the
+/// same order).
+pub const GRAPH_STEPS: usize = 1;
+/// The most device-fed steps one captured graph may hold.
+pub const MAX_GRAPH_STEPS: usize = 32;
+
+/// Device-fed decode steps per captured graph from `FERRUM_GRAPH_STEPS` (`None` when unset:
+/// [`GRAPH_STEPS`]), 1..=[`MAX_GRAPH_STEPS`].
+pub fn graph_steps(value: Option<&str>) -> crate::Result<usize> {
+    Ok(knob("FERRUM_GRAPH_STEPS", value, 1, MAX_GRAPH_STEPS)?.unwrap_or(GRAPH_STEPS))
+}
 
 /// The GEMV tuning's tie margin from `FERRUM_GEMV_TIE` (`None` when unset:
 /// [`GEMV_TIE_PERMILLE`]), in tenths of a percent, 0..=100 (0: only exact ties, which the
@@ -977,6 +996,12 @@ mod tests {
         assert_eq!(gemv_pick(&[(1.6117, 480), (1.6117, 240)], 0), Some(1));
         assert_eq!(gemv_pick(&[(1.6117, 480), (1.6128, 240)], 0), Some(0));
         assert_eq!(gemv_pick(&[(1.6128, 480), (1.6117, 240)], 0), Some(1));
+        assert_eq!(graph_steps(None).unwrap(), GRAPH_STEPS);
+        assert_eq!(graph_steps(Some(" 8 ")).unwrap(), 8);
+        for bad in ["0", "33", "-1", "", "eight"] {
+            let e = graph_steps(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GRAPH_STEPS") && e.contains("1..=32"), "{bad}: {e}");
+        }
         assert_eq!(gemv_tie_permille(None).unwrap(), GEMV_TIE_PERMILLE);
         assert_eq!(gemv_tie_permille(Some("0")).unwrap(), 0);
         for bad in ["101", "-1", "", "half"] {

@@ -9,14 +9,19 @@
 //!
 //! ```text
 //! device_begin(seq, t0, pos0)            host -> device: [t0, pos0]
-//! device_steps(seq, first, n) x batches  n graph replays (captured on first use), then the
-//!                                        read-back of the n tokens they chose; waits for them
+//! device_steps(seq, first, n) x batches  n steps as graph replays (captured on first use),
+//!                                        then the read-back of the n tokens they chose;
+//!                                        waits for them
 //! device_end(seq, pos0 + kept)           steps run past what the caller kept are discarded
 //! ```
 //!
-//! Each replay runs the whole step — every layer, the reductions, the LM head and the choice
-//! of the next token, which its last kernel writes back as the next replay's input — so the
-//! host only enqueues replays and reads tokens back once per batch.
+//! Each step runs the whole forward pass — every layer, the reductions, the LM head and the
+//! choice of the next token, which its last kernel writes back as the next step's input — so
+//! the host only enqueues replays and reads tokens back once per batch. A graph holds
+//! `CudaDecodeRunner::steps_per_graph` consecutive steps (a batch's remainder replays a
+//! one-step graph): inside a graph the next step's first kernel overlaps the last one's end
+//! like any other kernel boundary, and a TP rank, which waits for each replay, waits once per
+//! graph.
 
 use std::time::{Duration, Instant};
 
@@ -33,11 +38,13 @@ use ferrum_nccl::NcclRank;
 
 use crate::error::{Error, Result};
 
-/// Graphs kept per rank (one per live sequence buffer set and sampling mode).
-const GRAPH_CACHE: usize = 4;
+/// Graphs kept per rank (one per live sequence buffer set, sampling mode and step count).
+const GRAPH_CACHE: usize = 8;
 /// What a captured step depends on besides the runner's fixed buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct GraphKey {
+    /// Device-fed steps the graph holds (`CudaDecodeRunner::steps_per_graph`, or 1).
+    steps: usize,
     step: DeviceStepKey,
     /// `(1/T bits, seed)` when sampling on the device, `None` when greedy.
     sampling: Option<(u32, u64)>,
@@ -113,6 +120,15 @@ impl std::fmt::Debug for CudaRank {
             .field("stats", &self.stats)
             .finish_non_exhaustive()
     }
+}
+
+/// How `n` device-fed steps run with graphs of `k` steps: `(steps a graph, replays)` pairs, in
+/// order. As many `k`-step replays as `n` holds, then the rest as one-step replays (so at most
+/// two graphs per sequence and sampling mode, whatever the batch sizes).
+fn replay_plan(k: usize, n: usize) -> impl Iterator<Item = (usize, usize)> {
+    let k = k.max(1);
+    let (multi, rest) = if k > 1 { (n / k, n % k) } else { (0, n) };
+    [(k, multi), (1, rest)].into_iter().filter(|&(_, r)| r > 0)
 }
 
 /// Maps ferrum-graph's errors onto ferrum-runner's.
@@ -250,114 +266,11 @@ impl CudaRank {
         self.maybe_fail(n as u64)?;
         let cuda = crate::cuda_backend::cuda_error;
         if self.graphed {
-            let key = GraphKey {
-                step: self.runner.device_step_key(seq).map_err(cuda)?,
-                sampling: sampling.kernel_args().map_err(cuda)?.map(|(t, s)| (t.to_bits(), s)),
-            };
-            let stream = self.runner.stream().clone();
-            let t0 = Instant::now();
-            let runner = &mut self.runner;
-            let mut captured = false;
-            let graph = self
-                .graphs
-                .get_or_capture(key, &stream, |_scope| {
-                    captured = true;
-                    runner.enqueue_device_step(seq, sampling)
-                })
-                .map_err(graph_error)?;
-            if captured {
-                graph.upload(&stream).map_err(graph_error)?;
-                self.stats.captures += 1;
-                self.stats.capture_time += t0.elapsed();
-            }
-            // A replay does not go through the runner's checks: make sure `seq` still owns the
-            // step buffer.
-            self.runner.check_fed(seq).map_err(cuda)?;
-            // Timeline build, when armed: the first `record` replays stamp, each as its own
-            // replay row (stream-ordered flag copies between the replays).
-            let record = self.timeline_steps.min(n).min(ferrum_cuda::timeline::REPLAYS);
-            self.timeline_steps -= record;
-            // Only the runner modules' kernels stamp (`timeline::stamps`): the other nodes (NCCL's
-            // collectives, cuBLAS, the peer group's own all-reduce at the TP vocab split) are left
-            // out of the mapping, and the kernel before one of them is charged its time up to the
-            // next stamping kernel.
-            let names: Option<Vec<String>> = (record > 0)
-                .then(|| graph.kernel_names().iter().filter(|n| ferrum_cuda::timeline::stamps(n)).cloned().collect());
-            let runner = &self.runner;
-            let mark = |i: usize| -> Result<()> {
-                if i < record {
-                    runner.timeline_arm(Some(i as u32)).map_err(cuda)?;
-                } else if i == record && record > 0 {
-                    runner.timeline_arm(None).map_err(cuda)?;
-                }
-                Ok(())
-            };
-            let comm = self.comm.clone();
-            let replay_all = || -> Result<()> {
-                match comm {
-                    None => {
-                        for i in 0..n {
-                            mark(i)?;
-                            let t = Instant::now();
-                            graph.replay(&stream).map_err(graph_error)?;
-                            self.stats.enqueue_time += t.elapsed();
-                        }
-                        mark(n)?;
-                    }
-                    Some(c) => {
-                        // The graph holds NCCL kernels: launch it only while its communicator is
-                        // live (under the communicator's lock, so an abort cannot free it mid-launch),
-                        // one replay at a time, each after the previous one finished. So
-                        // cuGraphLaunch never blocks on a full launch queue while holding the lock,
-                        // and an abort from another thread (the group's failure path) can always
-                        // take it. The wait is an event synchronisation (cuEventSynchronize) outside the lock:
-                        // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
-                        // the next `while_live` fails at once instead of waiting for the aborting
-                        // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
-                        // see `NcclRank::while_live`).
-                        let ev = match self.replay_done.take() {
-                            Some(e) => e,
-                            None => stream
-                                .context()
-                                .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                                .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
-                        };
-                        let ev = &*self.replay_done.insert(ev);
-                        let rank = self.rank;
-                        for i in 0..n {
-                            mark(i)?;
-                            let t = Instant::now();
-                            c.while_live(|| graph.replay(&stream))
-                                .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
-                                .map_err(graph_error)?;
-                            self.stats.enqueue_time += t.elapsed();
-                            ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
-                            ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
-                        }
-                        mark(n)?;
-                        // A replay also "finishes" when an abort made its NCCL kernels exit; its
-                        // tokens are then garbage. The abort marks the communicator before it starts
-                        // (under the lock `while_live` takes), so this refuses them.
-                        c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
-                    }
-                }
-                Ok(())
-            };
-            let replayed = replay_all();
-            if replayed.is_err() && record > 0 {
-                // Leave no later kernel stamping (best effort: the stream may be broken).
-                let _ = runner.timeline_arm(None);
-            }
-            replayed?;
-            if let Some(names) = names {
-                // Mapped per call (grid ids are consecutive within a run of replays only),
-                // then merged with the earlier calls' recordings.
-                let stamps = self.runner.timeline_read().map_err(cuda)?;
-                let t = ferrum_cuda::timeline::step_timeline(&stamps, &names);
-                self.timeline
-                    .get_or_insert_with(Default::default)
-                    .merge(&t)
-                    .map_err(|e| Error::Unavailable("kernel timeline", e))?;
+            // The kernel timeline maps one step per replay row: while it records, one step a
+            // graph.
+            let k = if self.timeline_steps > 0 { 1 } else { self.runner.steps_per_graph() };
+            for (steps, replays) in replay_plan(k, n) {
+                self.replay_graphs(seq, sampling, steps, replays)?;
             }
         } else {
             for _ in 0..n {
@@ -369,6 +282,123 @@ impl CudaRank {
         let tokens = self.runner.token_readback().map_err(cuda)?.to_vec();
         self.check_peer()?;
         Ok(tokens)
+    }
+
+    /// `n` replays of the graph of `steps` consecutive device-fed steps of `seq` (captured on
+    /// first use): `n * steps` steps.
+    fn replay_graphs(&mut self, seq: u64, sampling: DeviceSampling, steps: usize, n: usize) -> Result<()> {
+        let cuda = crate::cuda_backend::cuda_error;
+        let key = GraphKey {
+            steps,
+            step: self.runner.device_step_key(seq).map_err(cuda)?,
+            sampling: sampling.kernel_args().map_err(cuda)?.map(|(t, s)| (t.to_bits(), s)),
+        };
+        let stream = self.runner.stream().clone();
+        let t0 = Instant::now();
+        let runner = &mut self.runner;
+        let mut captured = false;
+        let graph = self
+            .graphs
+            .get_or_capture(key, &stream, |_scope| {
+                captured = true;
+                (0..steps).try_for_each(|_| runner.enqueue_device_step(seq, sampling))
+            })
+            .map_err(graph_error)?;
+        if captured {
+            graph.upload(&stream).map_err(graph_error)?;
+            self.stats.captures += 1;
+            self.stats.capture_time += t0.elapsed();
+        }
+        // A replay does not go through the runner's checks: make sure `seq` still owns the
+        // step buffer.
+        self.runner.check_fed(seq).map_err(cuda)?;
+        // Timeline build, when armed: the first `record` replays stamp, each as its own
+        // replay row (stream-ordered flag copies between the replays).
+        let record = self.timeline_steps.min(n).min(ferrum_cuda::timeline::REPLAYS);
+        self.timeline_steps -= record;
+        // Only the runner modules' kernels stamp (`timeline::stamps`): the other nodes (NCCL's
+        // collectives, cuBLAS, the peer group's own all-reduce at the TP vocab split) are left
+        // out of the mapping, and the kernel before one of them is charged its time up to the
+        // next stamping kernel.
+        let names: Option<Vec<String>> = (record > 0)
+            .then(|| graph.kernel_names().iter().filter(|n| ferrum_cuda::timeline::stamps(n)).cloned().collect());
+        let runner = &self.runner;
+        let mark = |i: usize| -> Result<()> {
+            if i < record {
+                runner.timeline_arm(Some(i as u32)).map_err(cuda)?;
+            } else if i == record && record > 0 {
+                runner.timeline_arm(None).map_err(cuda)?;
+            }
+            Ok(())
+        };
+        let comm = self.comm.clone();
+        let replay_all = || -> Result<()> {
+            match comm {
+                None => {
+                    for i in 0..n {
+                        mark(i)?;
+                        let t = Instant::now();
+                        graph.replay(&stream).map_err(graph_error)?;
+                        self.stats.enqueue_time += t.elapsed();
+                    }
+                    mark(n)?;
+                }
+                Some(c) => {
+                    // The graph holds NCCL kernels: launch it only while its communicator is
+                    // live (under the communicator's lock, so an abort cannot free it mid-launch),
+                    // one replay at a time, each after the previous one finished. So
+                    // cuGraphLaunch never blocks on a full launch queue while holding the lock,
+                    // and an abort from another thread (the group's failure path) can always
+                    // take it. The wait is an event synchronisation (cuEventSynchronize) outside the lock:
+                    // an abort makes NCCL kernels stuck on a dead peer exit, so it returns, and
+                    // the next `while_live` fails at once instead of waiting for the aborting
+                    // thread (whose ncclCommAbort can wait for this thread to drop its graphs:
+                    // see `NcclRank::while_live`).
+                    let ev = match self.replay_done.take() {
+                        Some(e) => e,
+                        None => stream
+                            .context()
+                            .new_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                            .map_err(|e| Error::Unavailable("CUDA", format!("creating an event: {e}")))?,
+                    };
+                    let ev = &*self.replay_done.insert(ev);
+                    let rank = self.rank;
+                    for i in 0..n {
+                        mark(i)?;
+                        let t = Instant::now();
+                        c.while_live(|| graph.replay(&stream))
+                            .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
+                            .map_err(graph_error)?;
+                        self.stats.enqueue_time += t.elapsed();
+                        ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
+                        ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
+                    }
+                    mark(n)?;
+                    // A replay also "finishes" when an abort made its NCCL kernels exit; its
+                    // tokens are then garbage. The abort marks the communicator before it starts
+                    // (under the lock `while_live` takes), so this refuses them.
+                    c.while_live(|| ()).map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?;
+                }
+            }
+            Ok(())
+        };
+        let replayed = replay_all();
+        if replayed.is_err() && record > 0 {
+            // Leave no later kernel stamping (best effort: the stream may be broken).
+            let _ = runner.timeline_arm(None);
+        }
+        replayed?;
+        if let Some(names) = names {
+            // Mapped per call (grid ids are consecutive within a run of replays only),
+            // then merged with the earlier calls' recordings.
+            let stamps = self.runner.timeline_read().map_err(cuda)?;
+            let t = ferrum_cuda::timeline::step_timeline(&stamps, &names);
+            self.timeline
+                .get_or_insert_with(Default::default)
+                .merge(&t)
+                .map_err(|e| Error::Unavailable("kernel timeline", e))?;
+        }
+        Ok(())
     }
 
     /// Records the kernel timeline of the next `steps` graph replays of
@@ -391,5 +421,28 @@ impl CudaRank {
     /// Ends device-fed decoding: `seq` keeps `len` tokens.
     pub fn device_end(&mut self, seq: u64, len: usize) -> Result<()> {
         self.runner.device_decode_end(seq, len).map_err(crate::cuda_backend::cuda_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::replay_plan;
+
+    #[test]
+    fn replay_plans_cover_every_step_with_at_most_two_graphs() {
+        let plan = |k, n| replay_plan(k, n).collect::<Vec<_>>();
+        assert_eq!(plan(1, 32), [(1, 32)]);
+        assert_eq!(plan(8, 32), [(8, 4)]);
+        assert_eq!(plan(8, 4), [(1, 4)]);
+        assert_eq!(plan(3, 8), [(3, 2), (1, 2)]);
+        assert_eq!(plan(0, 5), [(1, 5)]);
+        assert!(plan(4, 0).is_empty());
+        for k in 1..=32 {
+            for n in 0..=100 {
+                let p = plan(k, n);
+                assert_eq!(p.iter().map(|&(s, r)| s * r).sum::<usize>(), n, "k {k} n {n}");
+                assert!(p.iter().all(|&(s, _)| s == 1 || s == k), "k {k} n {n}: {p:?}");
+            }
+        }
     }
 }

@@ -343,6 +343,12 @@ impl CudaTpBackend {
         .map(|_| ())
     }
 
+    /// Device-fed steps per captured graph on every rank (see
+    /// `CudaDecodeRunner::set_steps_per_graph`; default `FERRUM_GRAPH_STEPS` or 1).
+    pub fn set_steps_per_graph(&mut self, steps: usize) -> Result<()> {
+        self.on_ranks(move |w, _| w.rank.runner().set_steps_per_graph(steps).map_err(cuda_error)).map(|_| ())
+    }
+
     /// Arms a failure for tests on `fault.rank`.
     pub fn set_fault(&mut self, fault: Fault) -> Result<()> {
         self.on_ranks(move |w, _| {

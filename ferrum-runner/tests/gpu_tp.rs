@@ -157,6 +157,52 @@ fn a_new_cache_is_captured_again_and_still_matches() {
     assert!((2..=3).contains(&captures), "{captures} captures for 3 sequences (2 or 3 buffer sets)");
 }
 
+/// Several device-fed steps per captured graph (the next step's first kernel launched
+/// programmatically inside the graph, after the previous step's pick): the same tokens, and the
+/// same last logits bit for bit, as one step per graph, greedy and sampled. The device loop's
+/// batches (2, 4, 8, 16, 32, 8 for 70 steps) leave remainders at three steps a graph, which run
+/// as one-step replays, and batches shorter than eight steps a graph run one step a graph.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn multi_step_graphs_are_bit_identical_to_one_step_graphs() {
+    init();
+    for arch in ARCHS {
+        let cfg = config(arch, arch == Arch::Llama, 2);
+        let w = weights(&cfg, 5);
+        let p = prompt(60, cfg.vocab_size, 3);
+        for s in [DeviceSampling::Greedy, DeviceSampling::Temperature { temperature: 1.0, seed: 7 }] {
+            let mut want: Option<(Vec<u32>, Vec<u32>)> = None;
+            for k in [1, 3, 8] {
+                let mut b = tp1(&w);
+                b.runner().set_steps_per_graph(k).unwrap();
+                let toks = device_tokens(&mut b, &p, 70, 200, s);
+                let mut l = Vec::new();
+                b.runner().logits_to_host(&mut l).unwrap();
+                let stats = b.rank().stats();
+                let what = format!("{arch:?} {s:?} {k} steps a graph");
+                assert_eq!(stats.steps, 70, "{what}");
+                // One graph per step count used: the k-step graph and the one-step graph.
+                assert_eq!(stats.captures, if k == 1 { 1 } else { 2 }, "{what}");
+                match &want {
+                    None => want = Some((toks, bits(&l))),
+                    Some((t, lb)) => {
+                        assert_eq!(&toks, t, "{what}: tokens");
+                        assert_eq!(&bits(&l), lb, "{what}: last logits");
+                    }
+                }
+            }
+        }
+    }
+    // Out of range: refused, the setting kept.
+    let cfg = config(Arch::Llama, true, 2);
+    let mut b = tp1(&weights(&cfg, 5));
+    for bad in [0, ferrum_cuda::plan::MAX_GRAPH_STEPS + 1] {
+        let e = b.runner().set_steps_per_graph(bad).unwrap_err().to_string();
+        assert!(e.contains("steps per graph"), "{bad}: {e}");
+    }
+    assert_eq!(b.runner().steps_per_graph(), ferrum_cuda::plan::GRAPH_STEPS);
+}
+
 fn opts(max_tokens: usize, stop: Vec<u32>, device_loop: bool, sampling: SamplingParams) -> GenerateOptions {
     GenerateOptions { max_tokens, sampling, stop_ids: stop, keep_logits: false, device_loop }
 }
@@ -306,6 +352,13 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     assert_eq!(tg, want, "device loop vs host loop on TP2");
     let (a, b) = (g.step(tg[63]).unwrap(), e.step(te[63]).unwrap());
     assert_eq!(bits(&a), bits(&b));
+    // Four steps a graph (each rank waits once per replay, i.e. once per four steps): the same
+    // tokens, and the same KV cache.
+    let mut m = ferrum_runner::cuda_tp::group(&w, 0, 2, BF16, false).unwrap();
+    m.set_steps_per_graph(4).unwrap();
+    let tm = device_tokens(&mut m, &p, 64, 300, DeviceSampling::Greedy);
+    assert_eq!(tm, tg, "four steps a graph vs one on TP2");
+    assert_eq!(bits(&m.step(tm[63]).unwrap()), bits(&a));
 }
 
 fn group_graphed(w: &ModelWeights, graphed: bool) -> Box<dyn DecodeBackend> {

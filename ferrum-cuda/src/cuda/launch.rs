@@ -362,6 +362,10 @@ pub(crate) struct Kernels {
     /// The GEMV tuning's tie margin in tenths of a percent (`plan::GEMV_TIE_PERMILLE`, or
     /// `FERRUM_GEMV_TIE`): among launches this close to the fastest, the fewest blocks win.
     pub(crate) gemv_tie: usize,
+    /// Device-fed steps per captured graph (`plan::GRAPH_STEPS`, or `FERRUM_GRAPH_STEPS`):
+    /// read here with the other knobs so that a bad value fails at load; used by the caller
+    /// that captures the graphs.
+    pub(crate) graph_steps: usize,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -543,6 +547,7 @@ impl Kernels {
         let gemv_ks_exact = crate::plan::gemv_ks_exact(env("FERRUM_GEMV_KS_EXACT")?.as_deref())?;
         let gemv_ks_shapes = crate::plan::gemv_ks_shapes(env("FERRUM_GEMV_KS_SHAPES")?.as_deref())?;
         let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
+        let graph_steps = crate::plan::graph_steps(env("FERRUM_GRAPH_STEPS")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
@@ -625,6 +630,7 @@ impl Kernels {
             gemv_ks_exact,
             ?gemv_ks_shapes,
             gemv_tie,
+            graph_steps,
             gemv_warps_per_sm,
             ?gemv_lanes,
             attn_tc_min_capacity,
@@ -654,6 +660,7 @@ impl Kernels {
             gemv_ks_exact,
             gemv_ks_shapes,
             gemv_tie,
+            graph_steps,
             gemv_warps_per_sm,
             gemv_lanes,
             attn_tc_min_capacity,

@@ -1134,6 +1134,15 @@ impl CudaDecodeRunner {
     /// position. The host's length bookkeeping is left to
     /// [`device_decode_end`](Self::device_decode_end); the kernels never touch KV entries at or
     /// past the capacity, however many steps run.
+    ///
+    /// One capture may hold several steps (see [`steps_per_graph`](Self::steps_per_graph)):
+    /// the boundary between two steps is then a programmatic launch like the others. That is
+    /// safe for the reason every boundary is (common.cuh): each kernel waits before it lets the
+    /// next launch, so a kernel's pre-wait reads see every kernel but the one just before it
+    /// completed. The step's first kernel (the embedding) reads the token only after its wait,
+    /// and the one kernel that reads the step buffer before its wait, the decode attention (the
+    /// position), runs after the embedding and the q/k/v projection, so the previous step's
+    /// pick has completed by then (attention.cu's ROPE note).
     pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
         self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
@@ -1315,6 +1324,25 @@ impl CudaDecodeRunner {
         self.k.fuse_rope = f.rope;
         self.k.fuse_push = f.push;
         self.generation += 1;
+    }
+
+    /// How many consecutive device-fed steps a captured graph of them should hold
+    /// ([`plan::GRAPH_STEPS`](crate::plan::GRAPH_STEPS), or `FERRUM_GRAPH_STEPS` at start-up):
+    /// [`enqueue_device_step`](Self::enqueue_device_step) may be called that many times in one
+    /// capture, each step reading what the one before wrote to the step buffer.
+    pub fn steps_per_graph(&self) -> usize {
+        self.k.graph_steps
+    }
+
+    /// Sets [`steps_per_graph`](Self::steps_per_graph), 1..=[`plan::MAX_GRAPH_STEPS`](crate::plan::MAX_GRAPH_STEPS).
+    /// Only the caller's replay plan changes (a captured step does not depend on it).
+    pub fn set_steps_per_graph(&mut self, steps: usize) -> Result<()> {
+        if !(1..=crate::plan::MAX_GRAPH_STEPS).contains(&steps) {
+            let max = crate::plan::MAX_GRAPH_STEPS;
+            return Err(Error::InvalidArgument(format!("{steps} device-fed steps per graph (1..={max})")));
+        }
+        self.k.graph_steps = steps;
+        Ok(())
     }
 
     /// Whether the kernels launch with programmatic dependent launch (the compute_90 PTX on an
