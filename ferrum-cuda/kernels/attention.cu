@@ -602,7 +602,8 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // never signals, such as a cuBLAS GEMM on the cuBLAS decode path, counts as finished only when
 // it completes, which keeps the chain.) The kernel it depends on (the QKV projection, a GEMV
 // or a GEMM) writes neither the position (the previous step's argmax, or a host copy, wrote
-// it) nor the cache (rows below pos were written by earlier attention launches, row pos is
+// it; in a graph of several steps that argmax is in the same graph, at least two kernels
+// back) nor the cache (rows below pos were written by earlier attention launches, row pos is
 // never read here), and the loads go through L2.
 //
 // O (ferrum_attn_rope[_early]_o_hd64_*, with ROPE and the cluster merge only: without the

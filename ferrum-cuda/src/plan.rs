@@ -125,6 +125,16 @@ pub fn graph_steps(value: Option<&str>) -> crate::Result<usize> {
     Ok(knob("FERRUM_GRAPH_STEPS", value, 1, MAX_GRAPH_STEPS)?.unwrap_or(GRAPH_STEPS))
 }
 
+/// `steps` when it is a valid count of device-fed steps per captured graph,
+/// 1..=[`MAX_GRAPH_STEPS`], else an `InvalidArgument` error.
+pub fn check_graph_steps(steps: usize) -> crate::Result<usize> {
+    if (1..=MAX_GRAPH_STEPS).contains(&steps) {
+        Ok(steps)
+    } else {
+        Err(crate::Error::InvalidArgument(format!("{steps} device-fed steps per graph (1..={MAX_GRAPH_STEPS})")))
+    }
+}
+
 /// The GEMV tuning's tie margin from `FERRUM_GEMV_TIE` (`None` when unset:
 /// [`GEMV_TIE_PERMILLE`]), in tenths of a percent, 0..=100 (0: only exact ties, which the
 /// fewest blocks still break).
@@ -997,6 +1007,11 @@ mod tests {
         assert_eq!(gemv_pick(&[(1.6117, 480), (1.6128, 240)], 0), Some(0));
         assert_eq!(gemv_pick(&[(1.6128, 480), (1.6117, 240)], 0), Some(1));
         assert_eq!(graph_steps(None).unwrap(), GRAPH_STEPS);
+        assert_eq!(check_graph_steps(1).unwrap(), 1);
+        assert_eq!(check_graph_steps(MAX_GRAPH_STEPS).unwrap(), MAX_GRAPH_STEPS);
+        for bad in [0, MAX_GRAPH_STEPS + 1] {
+            assert!(check_graph_steps(bad).unwrap_err().to_string().contains("steps per graph (1..=32)"), "{bad}");
+        }
         assert_eq!(graph_steps(Some(" 8 ")).unwrap(), 8);
         for bad in ["0", "33", "-1", "", "eight"] {
             let e = graph_steps(Some(bad)).unwrap_err().to_string();

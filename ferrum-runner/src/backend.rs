@@ -22,7 +22,8 @@ pub struct DeviceRun {
     pub capture_time: Duration,
     /// Host time spent queueing graph replays (from each call to its replay being queued).
     pub enqueue_time: Duration,
-    /// Graph replays queued (0 when the steps ran eagerly).
+    /// Graph replays queued (0 when the steps ran eagerly; a replay may run several steps:
+    /// `CudaDecodeRunner::steps_per_graph`).
     pub replays: u64,
 }
 

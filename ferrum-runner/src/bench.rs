@@ -117,7 +117,8 @@ struct Report {
     threads: usize,
     /// `device loop (graphs)`, `device loop (eager)` or `host loop`.
     mode: String,
-    /// Device loop with graphs: host time to queue one replay (mean over the timed runs), µs.
+    /// Device loop with graphs: host time spent queueing replays per token (mean over the timed
+    /// runs; one replay a token unless `FERRUM_GRAPH_STEPS` packs several steps a graph), µs.
     host_us_per_token: Option<f64>,
     /// Device loop with graphs: time to capture, instantiate and upload the step graph, ms
     /// (of the last run that captured, normally the warm-up run; on TP, rank 0's).
@@ -274,7 +275,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     if a.timeline.is_some() && !device {
         bail!("--timeline needs the device loop (--device cuda, without --host-loop)");
     }
-    let (mut enqueue_s, mut replays, mut capture_ms) = (0.0f64, 0u64, None);
+    // Host time queueing replays, the replays and the steps they ran (a replay may run several).
+    let (mut enqueue_s, mut replays, mut graphed_steps, mut capture_ms) = (0.0f64, 0u64, 0u64, None);
     for run in 0..=a.runs {
         let t = Instant::now();
         let mut logits = backend.prefill(&prompt, capacity)?;
@@ -303,6 +305,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             if run > 0 {
                 enqueue_s += d.enqueue_time.as_secs_f64();
                 replays += d.replays;
+                if d.replays > 0 {
+                    graphed_steps += d.run as u64;
+                }
             }
         } else {
             for _ in 0..a.gen_tokens {
@@ -378,7 +383,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             (false, _) => "host loop",
         }
         .to_string(),
-        host_us_per_token: (replays > 0).then(|| enqueue_s / replays as f64 * 1e6),
+        host_us_per_token: (graphed_steps > 0).then(|| enqueue_s / graphed_steps as f64 * 1e6),
         capture_ms,
         kernel_profile,
         prefill_kernel_profile,

@@ -347,7 +347,7 @@ pub(crate) fn device_run(
         captures: after.captures - before.captures,
         capture_time: after.capture_time - before.capture_time,
         enqueue_time: after.enqueue_time - before.enqueue_time,
-        replays: if graphed { run as u64 } else { 0 },
+        replays: if graphed { after.replays - before.replays } else { 0 },
     }
 }
 

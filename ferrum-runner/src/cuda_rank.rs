@@ -38,7 +38,9 @@ use ferrum_nccl::NcclRank;
 
 use crate::error::{Error, Result};
 
-/// Graphs kept per rank (one per live sequence buffer set, sampling mode and step count).
+/// Graphs kept per rank: one per live sequence buffer set, sampling mode and step count (4
+/// keys of one step count, as before multi-step graphs, times the one-step and the
+/// `steps_per_graph` graphs). Only captured graphs are held.
 const GRAPH_CACHE: usize = 8;
 /// What a captured step depends on besides the runner's fixed buffers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -59,6 +61,8 @@ pub struct DeviceLoopStats {
     pub capture_time: Duration,
     /// Device-fed steps run (replayed, or enqueued eagerly).
     pub steps: u64,
+    /// Graph replays queued (each runs `steps_per_graph` steps, or one).
+    pub replays: u64,
     /// Host time inside the replay calls: from the call to the replay being queued.
     pub enqueue_time: Duration,
 }
@@ -340,6 +344,7 @@ impl CudaRank {
                         let t = Instant::now();
                         graph.replay(&stream).map_err(graph_error)?;
                         self.stats.enqueue_time += t.elapsed();
+                        self.stats.replays += 1;
                     }
                     mark(n)?;
                 }
@@ -370,6 +375,7 @@ impl CudaRank {
                             .map_err(|e| Error::Tp(format!("rank {rank}: {e}")))?
                             .map_err(graph_error)?;
                         self.stats.enqueue_time += t.elapsed();
+                        self.stats.replays += 1;
                         ev.record(&stream).map_err(|e| Error::Unavailable("CUDA", format!("event record: {e}")))?;
                         ev.synchronize().map_err(|e| Error::Unavailable("CUDA", format!("rank {rank}: {e}")))?;
                     }

@@ -344,8 +344,11 @@ impl CudaTpBackend {
     }
 
     /// Device-fed steps per captured graph on every rank (see
-    /// `CudaDecodeRunner::set_steps_per_graph`; default `FERRUM_GRAPH_STEPS` or 1).
+    /// `CudaDecodeRunner::set_steps_per_graph`; default `FERRUM_GRAPH_STEPS` or 1),
+    /// 1..=`ferrum_cuda::plan::MAX_GRAPH_STEPS`. A value out of range is refused here, before
+    /// any rank sees it (`InvalidInput`; a rank's error would fail the whole group).
     pub fn set_steps_per_graph(&mut self, steps: usize) -> Result<()> {
+        let steps = ferrum_cuda::plan::check_graph_steps(steps).map_err(cuda_error)?;
         self.on_ranks(move |w, _| w.rank.runner().set_steps_per_graph(steps).map_err(cuda_error)).map(|_| ())
     }
 

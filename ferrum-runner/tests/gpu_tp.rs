@@ -159,35 +159,44 @@ fn a_new_cache_is_captured_again_and_still_matches() {
 
 /// Several device-fed steps per captured graph (the next step's first kernel launched
 /// programmatically inside the graph, after the previous step's pick): the same tokens, and the
-/// same last logits bit for bit, as one step per graph, greedy and sampled. The device loop's
-/// batches (2, 4, 8, 16, 32, 8 for 70 steps) leave remainders at three steps a graph, which run
-/// as one-step replays, and batches shorter than eight steps a graph run one step a graph.
+/// same last logits bit for bit, as one step per graph, greedy and sampled, on three decode
+/// paths: the fused one (a 200-row cache: the fused RoPE attention reads the position before
+/// its wait), the tensor-core attention (an 1100-row cache: rope_qkv, then the attention that
+/// reads the position before its wait, then the combine) and every fusion off (separate norm,
+/// RoPE and combine kernels). The device loop's batches for 70 steps (2, 4, 8, 16, 32, 8) leave
+/// remainders at three steps a graph, which run as one-step replays, and batches shorter than
+/// eight steps a graph run one step a graph: 70, 30 and 14 replays.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn multi_step_graphs_are_bit_identical_to_one_step_graphs() {
     init();
+    let paths =
+        [("fused", 200, Fusion::ALL), ("tensor-core attention", 1100, Fusion::ALL), ("unfused", 200, Fusion::NONE)];
     for arch in ARCHS {
         let cfg = config(arch, arch == Arch::Llama, 2);
         let w = weights(&cfg, 5);
         let p = prompt(60, cfg.vocab_size, 3);
-        for s in [DeviceSampling::Greedy, DeviceSampling::Temperature { temperature: 1.0, seed: 7 }] {
-            let mut want: Option<(Vec<u32>, Vec<u32>)> = None;
-            for k in [1, 3, 8] {
-                let mut b = tp1(&w);
-                b.runner().set_steps_per_graph(k).unwrap();
-                let toks = device_tokens(&mut b, &p, 70, 200, s);
-                let mut l = Vec::new();
-                b.runner().logits_to_host(&mut l).unwrap();
-                let stats = b.rank().stats();
-                let what = format!("{arch:?} {s:?} {k} steps a graph");
-                assert_eq!(stats.steps, 70, "{what}");
-                // One graph per step count used: the k-step graph and the one-step graph.
-                assert_eq!(stats.captures, if k == 1 { 1 } else { 2 }, "{what}");
-                match &want {
-                    None => want = Some((toks, bits(&l))),
-                    Some((t, lb)) => {
-                        assert_eq!(&toks, t, "{what}: tokens");
-                        assert_eq!(&bits(&l), lb, "{what}: last logits");
+        for (path, capacity, fusion) in paths {
+            for s in [DeviceSampling::Greedy, DeviceSampling::Temperature { temperature: 1.0, seed: 7 }] {
+                let mut want: Option<(Vec<u32>, Vec<u32>)> = None;
+                for (k, replays) in [(1, 70), (3, 30), (8, 14)] {
+                    let mut b = tp1(&w);
+                    b.runner().set_fusion(fusion);
+                    b.runner().set_steps_per_graph(k).unwrap();
+                    let toks = device_tokens(&mut b, &p, 70, capacity, s);
+                    let mut l = Vec::new();
+                    b.runner().logits_to_host(&mut l).unwrap();
+                    let stats = b.rank().stats();
+                    let what = format!("{arch:?} {path} {s:?} {k} steps a graph");
+                    assert_eq!(stats.replays, replays, "{what}: replays");
+                    // One graph per step count used: the k-step graph and the one-step graph.
+                    assert_eq!(stats.captures, if k == 1 { 1 } else { 2 }, "{what}: captures");
+                    match &want {
+                        None => want = Some((toks, bits(&l))),
+                        Some((t, lb)) => {
+                            assert_eq!(&toks, t, "{what}: tokens");
+                            assert_eq!(&bits(&l), lb, "{what}: last logits");
+                        }
                     }
                 }
             }
@@ -355,6 +364,8 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     // Four steps a graph (each rank waits once per replay, i.e. once per four steps): the same
     // tokens, and the same KV cache.
     let mut m = ferrum_runner::cuda_tp::group(&w, 0, 2, BF16, false).unwrap();
+    // A count out of range is refused before any rank sees it: the group stays usable.
+    assert!(m.set_steps_per_graph(0).unwrap_err().to_string().contains("steps per graph"));
     m.set_steps_per_graph(4).unwrap();
     let tm = device_tokens(&mut m, &p, 64, 300, DeviceSampling::Greedy);
     assert_eq!(tm, tg, "four steps a graph vs one on TP2");

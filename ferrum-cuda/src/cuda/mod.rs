@@ -1140,9 +1140,11 @@ impl CudaDecodeRunner {
     /// safe for the reason every boundary is (common.cuh): each kernel waits before it lets the
     /// next launch, so a kernel's pre-wait reads see every kernel but the one just before it
     /// completed. The step's first kernel (the embedding) reads the token only after its wait,
-    /// and the one kernel that reads the step buffer before its wait, the decode attention (the
-    /// position), runs after the embedding and the q/k/v projection, so the previous step's
-    /// pick has completed by then (attention.cu's ROPE note).
+    /// and the two kernels that read the step buffer (the position) before their wait, the
+    /// fused-RoPE decode attention and the tensor-core one, run at least two kernels after the
+    /// embedding (embedding → [norm →] q/k/v projection [→ rope_qkv] → attention), so the
+    /// previous step's pick (argmax_final, or argmax_pick on a TP vocab split) has completed by
+    /// then (attention.cu's ROPE note).
     pub fn enqueue_device_step(&mut self, seq: u64, sampling: DeviceSampling) -> Result<()> {
         self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
@@ -1337,11 +1339,7 @@ impl CudaDecodeRunner {
     /// Sets [`steps_per_graph`](Self::steps_per_graph), 1..=[`plan::MAX_GRAPH_STEPS`](crate::plan::MAX_GRAPH_STEPS).
     /// Only the caller's replay plan changes (a captured step does not depend on it).
     pub fn set_steps_per_graph(&mut self, steps: usize) -> Result<()> {
-        if !(1..=crate::plan::MAX_GRAPH_STEPS).contains(&steps) {
-            let max = crate::plan::MAX_GRAPH_STEPS;
-            return Err(Error::InvalidArgument(format!("{steps} device-fed steps per graph (1..={max})")));
-        }
-        self.k.graph_steps = steps;
+        self.k.graph_steps = crate::plan::check_graph_steps(steps)?;
         Ok(())
     }
 
