@@ -112,9 +112,10 @@ pub const GEMV_TIE_PERMILLE: usize = 10;
 /// into the step buffer, and the next step's first kernel waits for it), and a batch's
 /// remainder as replays of a one-step graph. Inside one graph the boundary between two steps
 /// is a programmatic launch like every other kernel boundary; between two replays the next
-/// step starts only after the whole previous graph has completed, and on a TP group each
-/// replay is waited for by the host. Bit-identical for every count (the same kernels in the
-/// same order).
+/// step starts only after the whole previous graph has completed, and on a TP rank whose graphs
+/// hold NCCL kernels (NCCL's all-reduce: `FERRUM_ALLREDUCE=nccl`, GPUs without peer access, a
+/// multi-process group) each replay is waited for by the host. Bit-identical for every count
+/// (the same kernels in the same order).
 pub const GRAPH_STEPS: usize = 1;
 /// The most device-fed steps one captured graph may hold.
 pub const MAX_GRAPH_STEPS: usize = 32;

@@ -20,8 +20,8 @@
 //! the host only enqueues replays and reads tokens back once per batch. A graph holds
 //! `CudaDecodeRunner::steps_per_graph` consecutive steps (a batch's remainder replays a
 //! one-step graph): inside a graph the next step's first kernel overlaps the last one's end
-//! like any other kernel boundary, and a TP rank, which waits for each replay, waits once per
-//! graph.
+//! like any other kernel boundary, and a TP rank whose graphs hold NCCL kernels, which waits
+//! for each replay, waits once per graph.
 
 use std::time::{Duration, Instant};
 

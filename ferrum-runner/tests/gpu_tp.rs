@@ -361,8 +361,7 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     assert_eq!(tg, want, "device loop vs host loop on TP2");
     let (a, b) = (g.step(tg[63]).unwrap(), e.step(te[63]).unwrap());
     assert_eq!(bits(&a), bits(&b));
-    // Four steps a graph (each rank waits once per replay, i.e. once per four steps): the same
-    // tokens, and the same KV cache.
+    // Four steps a graph: the same tokens, and the same KV cache.
     let mut m = ferrum_runner::cuda_tp::group(&w, 0, 2, BF16, false).unwrap();
     // A count out of range is refused before any rank sees it: the group stays usable.
     assert!(m.set_steps_per_graph(0).unwrap_err().to_string().contains("steps per graph"));
@@ -370,6 +369,16 @@ fn tp2_runs_are_bit_identical_and_graphs_match_eager() {
     let tm = device_tokens(&mut m, &p, 64, 300, DeviceSampling::Greedy);
     assert_eq!(tm, tg, "four steps a graph vs one on TP2");
     assert_eq!(bits(&m.step(tm[63]).unwrap()), bits(&a));
+    // The same over NCCL's all-reduce, whose graphs hold NCCL kernels (each replay waited for by
+    // the host, under the communicator's liveness lock).
+    let mut n1 = synthetic_group_with(&cfg, 0, 2, BF16, 9, AllReduce::Nccl).unwrap();
+    let mut n4 = synthetic_group_with(&cfg, 0, 2, BF16, 9, AllReduce::Nccl).unwrap();
+    n4.set_steps_per_graph(4).unwrap();
+    let (t1, t4) = (
+        device_tokens(&mut n1, &p, 64, 300, DeviceSampling::Greedy),
+        device_tokens(&mut n4, &p, 64, 300, DeviceSampling::Greedy),
+    );
+    assert_eq!(t4, t1, "four steps a graph vs one over NCCL");
 }
 
 fn group_graphed(w: &ModelWeights, graphed: bool) -> Box<dyn DecodeBackend> {
