@@ -676,6 +676,23 @@ impl Kernels {
         })
     }
 
+    /// The split-K factor of a GEMV of `rows` outputs (`gateup`: the stacked gate|up, whose
+    /// weight rows count both halves) by `cols` on `sms` multiprocessors: the split
+    /// `FERRUM_GEMV_KS_SHAPES` names for the shape, else `plan::gemv_split_k_exact`'s.
+    pub(crate) fn gemv_ks(&self, rows: usize, cols: usize, gateup: bool, sms: usize) -> u32 {
+        let rows = crate::plan::gemv_weight_rows(rows, gateup);
+        crate::plan::gemv_ks_shape(&self.gemv_ks_shapes, rows, cols).unwrap_or_else(|| {
+            crate::plan::gemv_split_k_exact(
+                rows,
+                cols,
+                sms,
+                self.gemv_max_ks,
+                self.gemv_warps_per_sm,
+                self.gemv_ks_exact,
+            )
+        })
+    }
+
     fn builder(&self, k: Kernel) -> Launch<'_> {
         // Kernel::ALL[i] == i-th variant and `funcs` was filled in that order.
         Launch {

@@ -3,7 +3,7 @@ mod launch;
 pub mod peer;
 
 use crate::error::{Error, Result};
-use crate::plan::{attn_splits, attn_splits_tc, attn_warps, gemv_split_k_exact, MAX_SPLITS};
+use crate::plan::{attn_splits, attn_splits_tc, attn_warps, MAX_SPLITS};
 use crate::spec::{
     CopyBandwidth, CudaModelSpec, DType, DeviceInfo, DeviceSampling, Fusion, HostTensor, HostWeights, Projection,
     ShardRange,
@@ -1307,11 +1307,12 @@ impl CudaDecodeRunner {
     pub fn force_gemv_ks_exact(&mut self, max: u32) {
         self.generation += 1;
         self.k.gemv_ks_exact = max;
-        for (&(rows, cols, gateup), e) in self.k.gemv_table.iter_mut() {
-            let rows = crate::plan::gemv_weight_rows(rows, gateup);
-            e.ks = crate::plan::gemv_ks_shape(&self.k.gemv_ks_shapes, rows, cols).unwrap_or_else(|| {
-                gemv_split_k_exact(rows, cols, self.sms, self.k.gemv_max_ks, self.k.gemv_warps_per_sm, max)
-            });
+        let splits: Vec<_> =
+            self.k.gemv_table.keys().map(|&(r, c, g)| ((r, c, g), self.k.gemv_ks(r, c, g, self.sms))).collect();
+        for (key, ks) in splits {
+            if let Some(e) = self.k.gemv_table.get_mut(&key) {
+                e.ks = ks;
+            }
         }
     }
 
@@ -1488,18 +1489,11 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         (s.hidden, s.intermediate, false, of(|l| &l.wdown)),
         (s.vocab, s.hidden, false, vec![head; TUNE_HEAD_CHAIN]),
     ];
-    // The split-K factor follows from the shape (weight rows: 2·inter for gate|up); the
-    // variants timed below all share it, so the choice changes speed only.
-    let ks_shapes = k.gemv_ks_shapes.clone();
-    let (max_ks, warps_per_sm, ks_exact) = (k.gemv_max_ks, k.gemv_warps_per_sm, k.gemv_ks_exact);
-    let ks_of = |rows: usize, cols: usize, gateup: bool| {
-        let rows = crate::plan::gemv_weight_rows(rows, gateup);
-        crate::plan::gemv_ks_shape(&ks_shapes, rows, cols)
-            .unwrap_or_else(|| gemv_split_k_exact(rows, cols, sms, max_ks, warps_per_sm, ks_exact))
-    };
+    // The split-K factor follows from the shape (Kernels::gemv_ks; weight rows: 2·inter for
+    // gate|up); the variants timed below all share it, so the choice changes speed only.
     // A FERRUM_GEMV_KS_SHAPES entry that names no shape of this model changes nothing: say so
     // (gate|up's rows count both halves there, unlike the choices logged below).
-    for &(r, c, ks) in &ks_shapes {
+    for &(r, c, ks) in &k.gemv_ks_shapes {
         if !shapes
             .iter()
             .any(|(rows, cols, gateup, _)| (crate::plan::gemv_weight_rows(*rows, *gateup), *cols) == (r, c))
@@ -1510,7 +1504,7 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     if let Some(i) = k.gemv_variant {
         // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
         for (rows, cols, gateup, _) in &shapes {
-            let v = GemvVariant { ks: ks_of(*rows, *cols, *gateup), ..GEMV_VARIANTS[i] };
+            let v = GemvVariant { ks: k.gemv_ks(*rows, *cols, *gateup, sms), ..GEMV_VARIANTS[i] };
             k.gemv_table.entry((*rows, *cols, *gateup)).or_insert(v);
         }
         return Ok(());
@@ -1539,7 +1533,7 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
         if k.gemv_table.contains_key(&key) {
             continue;
         }
-        let ks = ks_of(rows, cols, gateup);
+        let ks = k.gemv_ks(rows, cols, gateup, sms);
         // Only the variants that load the busiest multiprocessor least are timed
         // (plan::gemv_balanced says why); the lane count is the launch's (gemv_as).
         let lanes = if gateup { 32 } else { crate::plan::gemv_lanes_per_row(rows, cols, ks, k.gemv_lanes) };
