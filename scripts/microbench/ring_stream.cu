@@ -7,7 +7,7 @@
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/ring scripts/microbench/ring_stream.cu && /tmp/ring
 //
 // Every kernel reads the same 1 GiB of bf16 once and sums it (each warp stores its sum, so
-// nothing is dead); a figure is GB/s over the median of REPS launches:
+// nothing is dead); a figure is GB/s over the median of 7 launches (timing.cuh):
 // - reg:  grid-stride 16-byte loads, UNROLL in flight a lane (the register GEMV's pattern),
 //         blocks of 256 threads, 8 a multiprocessor;
 // - ring: one block a multiprocessor (or two) of W warps, each warp streaming its own
@@ -31,9 +31,9 @@
 #include <vector>
 
 #include "check.cuh"
+#include "timing.cuh"
 
 constexpr size_t BYTES = size_t(1) << 30;
-constexpr int REPS = 7;
 
 __device__ __forceinline__ float sum8(uint4 u) {
     const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&u);
@@ -85,16 +85,10 @@ __global__ void __launch_bounds__(512) ring_stream(const uint4 *w, size_t n16, f
     const uint4 *mine = ring + (size_t)warp * depth * per_slot;
     auto issue = [&](int i) {
         const int s = i % depth;
-        const unsigned bar = bar0 + 8 * s;
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(slot) : "memory");
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         ring0 + s * slot),
-                     "l"(w + first + (size_t)i * per_slot), "r"(slot), "r"(bar)
-                     : "memory");
+        bulk_load(ring0 + s * slot, w + first + (size_t)i * per_slot, slot, bar0 + 8 * s);
     };
     if (lane == 0) {
-        for (int s = 0; s < depth; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar0 + 8 * s) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init(bar0, depth);
         for (int i = 0; i < min(depth, total); ++i) issue(i);
     }
     __syncwarp();
@@ -178,25 +172,6 @@ __global__ void __launch_bounds__(512) ring_stream(const uint4 *w, size_t n16, f
         if (lane == 0 && i + depth < total) issue(i + depth);
     }
     if (acc == 1.2345f) out[gw] = acc;
-}
-
-template <typename F> float median_ms(F launch) {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int r = 0; r <= REPS; ++r) {
-        CHECK(cudaEventRecord(a));
-        launch();
-        CHECK(cudaEventRecord(b));
-        CHECK(cudaEventSynchronize(b));
-        float ms;
-        CHECK(cudaEventElapsedTime(&ms, a, b));
-        if (r > 0) t.push_back(ms);
-    }
-    CHECK(cudaGetLastError());
-    std::sort(t.begin(), t.end());
-    return t[t.size() / 2];
 }
 
 int main() {
