@@ -25,8 +25,10 @@
 // docs/PERF.md, "SmolLM2-135M's four projections on one 16-block cluster"): MODE 1 drops the
 // hand-off (timing only), PACKED reads each warp's copies from its own contiguous region
 // (timing only), SLOTS puts one copy in each fixed slot instead of a byte ring, SPLIT_ACC sums
-// a row's products in independent partial sums. main() runs the last set measured; the earlier
-// sets are in the session's call logs (docs/bench/2026-12-02-session32/).
+// a row's products in independent partial sums; CC and TIMERS were added after the session's
+// device time was spent (see the kernel). main() runs that prepared set (not yet run); the sets
+// measured are in the session's call logs (docs/bench/2026-12-02-session32/, the last in
+// call15-committed-microbench.txt).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -103,14 +105,26 @@ __device__ __forceinline__ int chunk_rows(int op, int chunk) { return max(1, chu
 
 // Warp w's copies, in the order it consumes them: per layer and projection, its contiguous rows
 // [lo, hi) of the block's share, CR at a time (the gate|up projection: the gate rows, then the
-// same up rows).
-struct CopyIter {
+// same up rows). CC > 0: the cluster size and the warp count are constants, and every
+// division is by a constant (CC == 0, the form measured in session 32: divisions by the
+// runtime cluster size and a division call for the rows a copy, ~200 single-lane instructions
+// a copy by a reading of its SASS).
+template <int CC, int NW, int CHUNK> struct CopyIter {
     int l = 0, op = 0, s = 0, half = 0;
-    int b, w, C, nw, chunk;
+    int b, w, C;
+    __device__ int rows_per_block(int o) const {
+        constexpr int D = CC > 0 ? CC : 1;  // (no division by zero in the CC == 0 instance)
+        if (CC > 0) return o == 0 ? Q / D : (o == 2 ? I / D : H / D);
+        return op_rows(o) / C;
+    }
+    __device__ int rows_per_copy(int o) const {
+        if (CC > 0) return o == 3 ? max(1, CHUNK / (2 * I)) : max(1, CHUNK / (2 * H));
+        return chunk_rows(o, CHUNK);
+    }
     __device__ void range(int o, int &lo, int &hi) const {
-        const int rb = op_rows(o) / C;
-        lo = w * rb / nw;
-        hi = (w + 1) * rb / nw;
+        const int rb = rows_per_block(o);
+        lo = w * rb / NW;
+        hi = (w + 1) * rb / NW;
     }
     __device__ void first() {
         int lo, hi;
@@ -137,7 +151,7 @@ struct CopyIter {
     __device__ void copy(const Weights &W, const __nv_bfloat16 *&p, unsigned &bytes) const {
         int lo, hi;
         range(op, lo, hi);
-        const int n = min(chunk_rows(op, chunk), hi - s), r = b * (op_rows(op) / C) + s;
+        const int n = min(rows_per_copy(op), hi - s), r = b * rows_per_block(op) + s;
         const int K = op_cols(op);
         switch (op) {
             case 0: p = W.qkv + ((size_t)l * Q + r) * H; break;
@@ -155,7 +169,7 @@ struct CopyIter {
         half = 0;
         int lo, hi;
         range(op, lo, hi);
-        s += chunk_rows(op, chunk);
+        s += rows_per_copy(op);
         if (s < hi) return;
         next_op();
     }
@@ -166,19 +180,30 @@ struct CopyIter {
 // the values are not the model's): each warp's copies come from its own contiguous region of
 // `packed` (pw bytes a warp), in order, as if the weights had been laid out at load time in the
 // order each warp consumes them.
-template <int WARPS, int RING, int MODE = 0, bool PACKED = false, int CHUNK = 6144, bool SLOTS = false, bool SPLIT_ACC = false>
+//
+// Prepared after session 32's device time, not yet run: CC > 0 (the cluster size as a constant,
+// see CopyIter) and TIMERS (each warp's lane 0 sums the clock64 cycles spent waiting for its
+// copies, in the dot products, and refilling the ring, into regions[(b WARPS + w) 4 + 0..2],
+// with the whole loop's cycles in + 3): the split that says which of the two comes first.
+template <int WARPS, int RING, int MODE = 0, bool PACKED = false, int CHUNK = 6144, bool SLOTS = false, bool SPLIT_ACC = false,
+          int CC = 0, bool TIMERS = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const float *x0, float *out, unsigned long long *ns,
-                                                                unsigned long long *tl, const unsigned char *packed, size_t pw) {
+                                                                unsigned long long *tl, const unsigned char *packed, size_t pw,
+                                                                unsigned long long *regions) {
     extern __shared__ __align__(128) unsigned char ring_all[];
     __shared__ __align__(16) float xa[H], xb[H], qo[Q], hh[I];
     __shared__ float gtmp[WARPS][8];
     __shared__ __align__(8) unsigned long long rbar[WARPS][M];
     __shared__ unsigned slot_off[WARPS][M], slot_end[WARPS][M];
     __shared__ __align__(8) unsigned long long ibar[4];  // 0: qo, 1: xb, 2: hh, 3: xa
-    unsigned b, C;
+    unsigned b, C_rt;
     asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(b));
-    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(C));
+    asm("mov.u32 %0, %%cluster_nctarank;" : "=r"(C_rt));
+    if (CC > 0 && C_rt != (unsigned)CC) __trap();  // launched with another cluster size
+    const unsigned C = CC > 0 ? (unsigned)CC : C_rt;
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    unsigned long long t_wait = 0, t_rows = 0, t_refill = 0;
+    const long long t_loop0 = clock64();
     unsigned long long g0;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
     unsigned char *ring = ring_all + w * RING;
@@ -196,18 +221,18 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 
     // Producer state (lane 0).
-    CopyIter it;
+    CopyIter<CC, WARPS, CHUNK> it;
     it.b = b;
     it.w = w;
     it.C = C;
-    it.nw = WARPS;
-    it.chunk = CHUNK;
     it.first();
     unsigned issued = 0, consumed = 0, prod = 0, cons = 0;
     size_t streamed = 0;
     const unsigned char *mine = packed + (b * WARPS + w) * pw;
     auto pump = [&] {
         while (it.l < L && issued - consumed < M) {
+            // (CC > 0: the free-slot check before the copy's address is computed, not after.)
+            if (SLOTS && CC > 0 && issued - consumed >= RING / CHUNK) break;
             const __nv_bfloat16 *p;
             unsigned bytes;
             it.copy(W, p, bytes);
@@ -239,18 +264,22 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
     // Waits for the next copy; its rows start at the returned pointer.
     auto take = [&]() {
         const unsigned s = seq % M;
+        const long long t0 = TIMERS ? clock64() : 0;
         wait_parity<false>(saddr(&rbar[w][s]), (seq / M) & 1);
+        if (TIMERS) t_wait += clock64() - t0;
         return reinterpret_cast<const uint4 *>(ring + slot_off[w][s]);
     };
     // Frees the copy: lane 0 refills the ring.
     auto release = [&]() {
         __syncwarp();
         if (lane == 0) {
+            const long long t0 = TIMERS ? clock64() : 0;
             // The lanes' generic reads of the slot come before the async-proxy refill.
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
             cons = slot_end[w][seq % M];
             ++consumed;
             pump();
+            if (TIMERS) t_refill += clock64() - t0;
         }
         __syncwarp();
         ++seq;
@@ -259,6 +288,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
     // lanes a row, each loading its KC chunks before its FMAs; calls emit(j, v) for each row j
     // with v on every lane.
     auto rows = [&](const uint4 *rp, int n, const float *x, int K, auto &&emit) {
+        const long long t0 = TIMERS ? clock64() : 0;
         auto pass = [&](auto g_tag, auto kc_tag) {
             constexpr int G = decltype(g_tag)::value, KC = decltype(kc_tag)::value, R = 32 / G;
             const int sub = lane % G;
@@ -293,6 +323,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
             pass(std::integral_constant<int, 8>{}, std::integral_constant<int, H / 64>{});
         else
             pass(std::integral_constant<int, 16>{}, std::integral_constant<int, I / 128>{});
+        if (TIMERS) t_rows += clock64() - t0;
     };
     // Sends value v of output row r into every block's buffer `buf` (ibar[k]).
     auto push = [&](float *buf, int k, int r, float v) {
@@ -327,7 +358,8 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
     auto rms = [&](const float *x) {
         float s = 0.0f;
         for (int c = lane; c < H; c += 32) s += x[c] * x[c];
-        return rsqrtf(warp_sum(s) / H + EPS);
+        // (CC > 0: a multiply by 1/H, not an IEEE division with its slow-path call.)
+        return rsqrtf((CC > 0 ? warp_sum(s) * (1.0f / H) : warp_sum(s) / H) + EPS);
     };
     // One projection: this warp's rows [lo, hi) of the block's share, a copy at a time.
     auto project = [&](int op, const float *x, float sc, auto &&emit) {
@@ -362,7 +394,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
         sc = rms(xb);
         project(2, xb, sc, [&](int r, int j, float u) {
             const float g = gtmp[w][j];
-            push(hh, 2, r, g / (1.0f + __expf(-g)) * u);
+            push(hh, 2, r, (CC > 0 ? __fdividef(g, 1.0f + __expf(-g)) : g / (1.0f + __expf(-g))) * u);
         });
         stamp(l);
         ready(2, l);
@@ -371,6 +403,13 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
         stamp(l);
     }
     ready(3, L - 1);
+    if (TIMERS && lane == 0) {
+        unsigned long long *r = regions + (b * WARPS + w) * 4;
+        r[0] = t_wait;
+        r[1] = t_rows;
+        r[2] = t_refill;
+        r[3] = clock64() - t_loop0;
+    }
     unsigned long long g1;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g1));
     if (b == 0)
@@ -457,15 +496,16 @@ int main() {
     Weights Wd{dq, dO, dg, du, dd};
     std::printf("weights %.1f MB a launch (%d layers)\n", (nq + no + 2 * ng + nd) * 2 / 1e6, L);
 
-    unsigned long long *dtl;
+    unsigned long long *dtl, *dreg;
     CHECK(cudaMalloc(&dtl, 64 * 8));
+    CHECK(cudaMalloc(&dreg, 16 * 32 * 4 * 8));
     // The packed layout's buffer: every warp's share of a launch's weights, with room to spare.
     unsigned char *dpk;
     const size_t wbytes = (nq + no + 2 * ng + nd) * 2, pk_bytes = wbytes + (64 << 20);
     CHECK(cudaMalloc(&dpk, pk_bytes));
     CHECK(cudaMemset(dpk, 0, pk_bytes));
     size_t pw = 0;
-    auto run = [&](auto kern, int warps, int ring, int C) {
+    auto run = [&](auto kern, int warps, int ring, int C, bool timed = false) {
         pw = (wbytes / (C * warps) * 5 / 4) / 256 * 256;  // a warp takes at most ~12% over its even share
         const int smem = warps * ring;
         CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -475,7 +515,7 @@ int main() {
         std::vector<unsigned long long> kns;
         for (int rep = 0; rep < 11; ++rep) {
             CHECK(cudaMemset(dout, 0, H * 4));
-            CHECK(cudaLaunchKernelEx(&cfg, kern, Wd, (const float *)dx0, dout, dns, dtl, (const unsigned char *)dpk, pw));
+            CHECK(cudaLaunchKernelEx(&cfg, kern, Wd, (const float *)dx0, dout, dns, dtl, (const unsigned char *)dpk, pw, dreg));
             CHECK(cudaDeviceSynchronize());
             unsigned long long n0;
             CHECK(cudaMemcpy(&n0, dns, 8, cudaMemcpyDeviceToHost));
@@ -498,20 +538,26 @@ int main() {
         std::printf("   layer %d, block 0 thread 0, us (qkv rows, wait, o rows, wait, g|u rows, wait, down rows):", TL);
         for (int k = 1; k < 8; ++k) std::printf(" %.2f", (htl[k] - htl[k - 1]) / 1e3);
         std::printf("\n");
+        if (timed) {
+            // The last launch's per-warp cycle sums, as shares of the loop's cycles over all warps.
+            std::vector<unsigned long long> reg(C * warps * 4);
+            CHECK(cudaMemcpy(reg.data(), dreg, reg.size() * 8, cudaMemcpyDeviceToHost));
+            double sum[4] = {0, 0, 0, 0};
+            for (size_t i = 0; i < reg.size(); ++i) sum[i % 4] += (double)reg[i];
+            std::printf("   lane 0's cycles, share of the loop: waiting for copies %.1f%%, dot products %.1f%%, refills %.1f%%\n",
+                        100 * sum[0] / sum[3], 100 * sum[1] / sum[3], 100 * sum[2] / sum[3]);
+        }
     };
+    // Prepared after session 32's device time (not yet run): where a warp's cycles go, for the
+    // form measured last (runtime cluster size) and with the cluster size as a constant.
     for (int C : {16}) {
-        std::printf("-- the layer, one accumulator a lane (a chain of 8 KC FMAs a row group)\n");
-        run(cluster_layers<16, 12288, 0, false, 6144, true>, 16, 12288, C);
-        std::printf("-- the layer, independent partial sums (session 32's last form)\n");
-        run(cluster_layers<16, 12288, 0, false, 6144, true, true>, 16, 12288, C);
-        run(cluster_layers<16, 12288, 0, false, 4096, true, true>, 16, 12288, C);
-        run(cluster_layers<8, 24576, 0, false, 6144, true, true>, 8, 24576, C);
-        std::printf("-- no hand-off (timing only), independent partial sums\n");
-        run(cluster_layers<16, 12288, 1, false, 6144, true, true>, 16, 12288, C);
-    }
-    for (int C : {8}) {
-        std::printf("-- C=8, independent partial sums\n");
-        run(cluster_layers<16, 12288, 0, false, 6144, true, true>, 16, 12288, C);
+        std::printf("-- the layer, independent partial sums, fixed slots (session 32's last form), with cycle sums\n");
+        run(cluster_layers<16, 12288, 0, false, 6144, true, true, 0, true>, 16, 12288, C, true);
+        std::printf("-- the same, the cluster size a constant\n");
+        run(cluster_layers<16, 12288, 0, false, 6144, true, true, 16, true>, 16, 12288, C, true);
+        run(cluster_layers<16, 12288, 0, false, 6144, true, true, 16, false>, 16, 12288, C);
+        std::printf("-- no hand-off (timing only), the cluster size a constant\n");
+        run(cluster_layers<16, 12288, 1, false, 6144, true, true, 16, true>, 16, 12288, C, true);
     }
     return 0;
 }
