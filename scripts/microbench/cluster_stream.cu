@@ -306,24 +306,21 @@ int main() {
     // 2-3. cluster barrier and all-gather, clusters of 2..16 (16 is non-portable).
     CHECK(cudaFuncSetAttribute(cluster_barrier, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     CHECK(cudaFuncSetAttribute(cluster_allgather, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    // One cluster of C blocks running `kernel`; prints the median block's µs a round.
+    auto per_round = [&](const char *what, cudaError_t e, int C, int threads) {
+        if (e != cudaSuccess) {
+            std::printf("%s C=%2d: launch failed: %s\n", what, C, cudaGetErrorString(e));
+            (void)cudaGetLastError();
+            return false;
+        }
+        CHECK(cudaDeviceSynchronize());
+        std::printf("%s C=%2d %3d thr: %.3f us a round\n", what, C, threads, per_round_us(ns, C));
+        return true;
+    };
     for (int C : {2, 4, 8, 16}) {
         for (int threads : {128, 512}) {
-            cudaError_t e = launch_cluster(cluster_barrier, C, C, threads, ROUNDS, ns);
-            if (e != cudaSuccess) {
-                std::printf("cluster barrier C=%2d: launch failed: %s\n", C, cudaGetErrorString(e));
-                (void)cudaGetLastError();
-                continue;
-            }
-            CHECK(cudaDeviceSynchronize());
-            std::printf("cluster barrier   C=%2d %3d thr: %.3f us a barrier\n", C, threads, per_round_us(ns, C));
-            e = launch_cluster(cluster_allgather, C, C, threads, ROUNDS, ns, out);
-            if (e != cudaSuccess) {
-                std::printf("cluster all-gather C=%2d: launch failed: %s\n", C, cudaGetErrorString(e));
-                (void)cudaGetLastError();
-                continue;
-            }
-            CHECK(cudaDeviceSynchronize());
-            std::printf("cluster all-gather C=%2d %3d thr: %.3f us a round (576 floats)\n", C, threads, per_round_us(ns, C));
+            if (!per_round("cluster barrier   ", launch_cluster(cluster_barrier, C, C, threads, ROUNDS, ns), C, threads)) continue;
+            per_round("cluster all-gather (576 floats)", launch_cluster(cluster_allgather, C, C, threads, ROUNDS, ns, out), C, threads);
         }
     }
     // 4. the global all-gather over G co-resident blocks.
