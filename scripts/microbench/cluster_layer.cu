@@ -26,9 +26,10 @@
 // hand-off (timing only), PACKED reads each warp's copies from its own contiguous region
 // (timing only), SLOTS puts one copy in each fixed slot instead of a byte ring, SPLIT_ACC sums
 // a row's products in independent partial sums; CC and TIMERS were added after the session's
-// device time was spent (see the kernel). main() runs that prepared set (not yet run); the sets
-// measured are in the session's call logs (docs/bench/2026-12-02-session32/, the last in
-// call15-committed-microbench.txt).
+// device time was spent (see the kernel) and run in session 33 (call 1: 56-68% of the warps'
+// cycles in the dot products, 3% waiting for copies; its successor with tensor-core dot products
+// is cluster_mma.cu). main() runs that set; the sets measured in session 32 are in its call logs
+// (docs/bench/2026-12-02-session32/, the last in call15-committed-microbench.txt).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -40,38 +41,16 @@
 #include <vector>
 
 #include "check.cuh"
+#include "smollm_layers.cuh"
 #include "timing.cuh"
 
-constexpr int H = 576, Q = 960, I = 1536, L = 30;
 constexpr int M = 32;  // row slots (mbarriers) a warp
 constexpr int TL = 10;  // the layer whose op times block 0's thread 0 records
-constexpr float EPS = 1e-5f;
 
 struct Weights {
     const __nv_bfloat16 *qkv, *o, *g, *u, *d;  // [L][rows][cols]
 };
 
-__device__ __forceinline__ unsigned saddr(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
-// CLUSTER: acquire at cluster scope (data stored by other blocks: st.async); else at CTA
-// scope (this block's own bulk copies).
-template <bool CLUSTER> __device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
-    unsigned done = 0, spins = 0;
-    while (!done) {
-        if (CLUSTER)
-            asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
-                         "selp.u32 %0, 1, 0, p;\n\t}"
-                         : "=r"(done)
-                         : "r"(bar), "r"(parity)
-                         : "memory");
-        else
-            asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                         "selp.u32 %0, 1, 0, p;\n\t}"
-                         : "=r"(done)
-                         : "r"(bar), "r"(parity)
-                         : "memory");
-        if (++spins > (1u << 26)) __trap();  // a bug here must not hang the GPU machine
-    }
-}
 __device__ __forceinline__ float dot8(uint4 w, const float *x) {
     const __nv_bfloat162 *h = reinterpret_cast<const __nv_bfloat162 *>(&w);
     const float4 a = *reinterpret_cast<const float4 *>(x), b = *reinterpret_cast<const float4 *>(x + 4);
@@ -88,12 +67,6 @@ __device__ __forceinline__ void dot8x2(uint4 w, const float *x, float &lo, float
     lo = fmaf(t0.x, a.x, fmaf(t0.y, a.y, fmaf(t1.x, a.z, t1.y * a.w)));
     hi = fmaf(t2.x, b.x, fmaf(t2.y, b.y, fmaf(t3.x, b.z, t3.y * b.w)));
 }
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-
 // The bytes of one bulk copy at most: a copy moves whole consecutive rows of one matrix, so a
 // warp's rows arrive in few copies (one copy a row ran at ~16 GB/s a multiprocessor: session
 // 32, call 6).
@@ -181,7 +154,7 @@ template <int CC, int NW, int CHUNK> struct CopyIter {
 // `packed` (pw bytes a warp), in order, as if the weights had been laid out at load time in the
 // order each warp consumes them.
 //
-// Prepared after session 32's device time, not yet run: CC > 0 (the cluster size as a constant,
+// Added after session 32's device time, run in session 33: CC > 0 (the cluster size as a constant,
 // see CopyIter) and TIMERS (each warp's lane 0 sums the clock64 cycles spent waiting for its
 // copies, in the dot products, and refilling the ring, into regions[(b WARPS + w) 4 + 0..2],
 // with the whole loop's cycles in + 3): the split that says which of the two comes first.
@@ -210,15 +183,7 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
     const unsigned bytes_in[4] = {Q * 4, H * 4, I * 4, H * 4};
     for (int k = threadIdx.x; k < H; k += blockDim.x) xa[k] = x0[k];
     if (lane == 0) mbar_init(saddr(&rbar[w][0]), M);
-    if (threadIdx.x == 0) {
-        for (int k = 0; k < 4; ++k) {
-            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&ibar[k])) : "memory");
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&ibar[k])), "r"(bytes_in[k]) : "memory");
-        }
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    __syncthreads();
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+    arm_inputs_and_sync(ibar, bytes_in);
 
     // Producer state (lane 0).
     CopyIter<CC, WARPS, CHUNK> it;
@@ -421,58 +386,10 @@ __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const
 
 int main() {
     const size_t nq = (size_t)L * Q * H, no = (size_t)L * H * H, ng = (size_t)L * I * H, nd = (size_t)L * H * I;
-    std::vector<__nv_bfloat16> hq(nq), ho(no), hg(ng), hu(ng), hd(nd);
-    uint64_t st = 0x9e3779b97f4a7c15ull;
-    auto rnd = [&](float scale) {
-        st ^= st << 13;
-        st ^= st >> 7;
-        st ^= st << 17;
-        return scale * ((float)(st >> 40) / 16777216.0f * 2.0f - 1.0f);
-    };
-    for (auto &v : hq) v = __float2bfloat16(rnd(1.7f / std::sqrt((float)H)));
-    for (auto &v : ho) v = __float2bfloat16(rnd(1.7f / std::sqrt((float)H)));
-    for (auto &v : hg) v = __float2bfloat16(rnd(1.7f / std::sqrt((float)H)));
-    for (auto &v : hu) v = __float2bfloat16(rnd(1.7f / std::sqrt((float)H)));
-    for (auto &v : hd) v = __float2bfloat16(rnd(1.7f / std::sqrt((float)I)));
-    std::vector<float> x0(H);
-    for (auto &v : x0) v = rnd(1.0f);
-
-    // Host reference (double accumulation).
-    std::vector<double> xa(x0.begin(), x0.end()), xb(H), qo(Q), hh(I);
-    auto W = [](const std::vector<__nv_bfloat16> &m, size_t i) { return (double)__bfloat162float(m[i]); };
-    for (int l = 0; l < L; ++l) {
-        double ss = 0;
-        for (double v : xa) ss += v * v;
-        double sc = 1.0 / std::sqrt(ss / H + EPS);
-        for (int r = 0; r < Q; ++r) {
-            double a = 0;
-            for (int c = 0; c < H; ++c) a += W(hq, ((size_t)l * Q + r) * H + c) * xa[c];
-            qo[r] = sc * a;
-        }
-        for (int r = 0; r < H; ++r) {
-            double a = 0;
-            for (int c = 0; c < H; ++c) a += W(ho, ((size_t)l * H + r) * H + c) * qo[c];
-            xb[r] = xa[r] + a;
-        }
-        ss = 0;
-        for (double v : xb) ss += v * v;
-        sc = 1.0 / std::sqrt(ss / H + EPS);
-        for (int r = 0; r < I; ++r) {
-            double g = 0, u = 0;
-            for (int c = 0; c < H; ++c) {
-                g += W(hg, ((size_t)l * I + r) * H + c) * xb[c];
-                u += W(hu, ((size_t)l * I + r) * H + c) * xb[c];
-            }
-            g *= sc;
-            u *= sc;
-            hh[r] = g / (1.0 + std::exp(-g)) * u;
-        }
-        for (int r = 0; r < H; ++r) {
-            double a = 0;
-            for (int c = 0; c < I; ++c) a += W(hd, ((size_t)l * H + r) * I + c) * hh[c];
-            xa[r] = xb[r] + a;
-        }
-    }
+    const HostLayers m = make_layers();  // the weights, the input and the host reference
+    const auto &hq = m.q, &ho = m.o, &hg = m.g, &hu = m.u, &hd = m.d;
+    const std::vector<float> &x0 = m.x0;
+    const std::vector<double> &xa = m.out;
 
     __nv_bfloat16 *dq, *dO, *dg, *du, *dd;
     float *dx0, *dout;
@@ -512,26 +429,13 @@ int main() {
         CHECK(cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
         cudaLaunchAttribute at;
         const cudaLaunchConfig_t cfg = cluster_config(at, C, C, warps * 32, smem);
-        std::vector<unsigned long long> kns;
-        for (int rep = 0; rep < 11; ++rep) {
-            CHECK(cudaMemset(dout, 0, H * 4));
-            CHECK(cudaLaunchKernelEx(&cfg, kern, Wd, (const float *)dx0, dout, dns, dtl, (const unsigned char *)dpk, pw, dreg));
-            CHECK(cudaDeviceSynchronize());
-            unsigned long long n0;
-            CHECK(cudaMemcpy(&n0, dns, 8, cudaMemcpyDeviceToHost));
-            if (rep > 0) kns.push_back(n0);
-        }
-        std::sort(kns.begin(), kns.end());
-        std::vector<float> got(H);
-        CHECK(cudaMemcpy(got.data(), dout, H * 4, cudaMemcpyDeviceToHost));
-        unsigned long long htl[9];
-        CHECK(cudaMemcpy(htl, dtl, sizeof htl, cudaMemcpyDeviceToHost));
-        double maxerr = 0, maxref = 0;
-        for (int k = 0; k < H; ++k) {
-            maxerr = std::max(maxerr, std::fabs(got[k] - xa[k]));
-            maxref = std::max(maxref, std::fabs(xa[k]));
-        }
-        const double us = kns[kns.size() / 2] / 1e3;
+        const LayersRun r = time_layers(
+            [&] {
+                CHECK(cudaLaunchKernelEx(&cfg, kern, Wd, (const float *)dx0, dout, dns, dtl, (const unsigned char *)dpk, pw, dreg));
+            },
+            dout, dns, dtl, xa);
+        const double us = r.us, maxerr = r.maxerr, maxref = r.maxref;
+        const unsigned long long *htl = r.tl;
         std::printf("C=%2d, %2d warps a block, %5d-byte rings: kernel %.1f us (block 0's timer, median of 10): "
                     "%.2f us a layer of 4 projections, %.0f GB/s; max |err| %.3g of max |x| %.3g\n",
                     C, warps, ring, us, us / L, (nq + no + 2 * ng + nd) * 2 / (us * 1e-6) / 1e9, maxerr, maxref);
@@ -548,7 +452,7 @@ int main() {
                         100 * sum[0] / sum[3], 100 * sum[1] / sum[3], 100 * sum[2] / sum[3]);
         }
     };
-    // Prepared after session 32's device time (not yet run): where a warp's cycles go, for the
+    // Session 33, call 1 (prepared after session 32's device time): where a warp's cycles go, for the
     // form measured last (runtime cluster size) and with the cluster size as a constant.
     for (int C : {16}) {
         std::printf("-- the layer, independent partial sums, fixed slots (session 32's last form), with cycle sums\n");
