@@ -32,8 +32,9 @@
 //
 // MODE 0: the layer as described; 1: no hand-off (no waits for inputs, no pushes: timing only);
 // 2: the stream alone (the consumers wait for each chunk and free it, no dot products).
-// Arguments: none (calls 9 and 10's sets), `latest` (call 10's), `profile` (one form, for ncu),
-// `--plans` (the host's plans only; no GPU needed). Session 33's figures and what they say:
+// cluster_pieces (call 13) spreads each op's chunks over all of a block's warps instead.
+// Arguments: none (calls 9, 10 and 13's sets), `latest` (call 13's), `profile` (one form, for
+// ncu), `--plans` (the host's plans only; no GPU needed). Session 33's figures and what they say:
 // docs/PERF.md, "Session 33: tensor cores on one cluster".
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -81,6 +82,82 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return *reinterpret_cast<const unsigned *>(&v);
 }
 
+// Entry q of an input's B fragments (k-step q / 8, lane l = q % 8 < 8): x_hi (l < 4) or x_lo
+// (4 <= l < 8) at columns 2t, 2t + 1, 2t + 8, 2t + 9 of the step (t = l % 4).
+__device__ __forceinline__ uint2 frag_entry(const float *x, int q) {
+    const int k = (q >> 3) * 16 + 2 * (q & 3);
+    float v[4] = {x[k], x[k + 1], x[k + 8], x[k + 9]};
+    if (q & 4)
+        for (float &t : v) t -= __bfloat162float(__float2bfloat16_rn(t));
+    return make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
+}
+
+// Thread 0: the ring's mbarriers (one arrival each): full[2S] and empty[S].
+template <int S> __device__ __forceinline__ void init_ring(unsigned long long *full, unsigned long long *empty) {
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2 * S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])) : "memory");
+        for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&empty[s])) : "memory");
+    }
+}
+
+// PUSHF's hand-off of one tile (by a whole warp; `st` holds its 16 output values): lanes 0-7
+// turn them into the next op's B fragments for k-step `tile` (entry l: x_hi (l < 4) or x_lo of
+// rows 2t, 2t + 1, 2t + 8, 2t + 9, t = l % 4) in `stf`; then lane j sends half j / 16 of them
+// (and of the f32 values, for xb and xa) to block j % 16, completing on its ibar[op]. The k and v
+// tiles of qkv (tile >= H / 16) go to kvf.
+__device__ __forceinline__ void push_frags(const float *st, uint2 *stf, int op, int tile, float *xa, float *xb, uint2 *xf,
+                                           uint2 *kvf, unsigned long long *ibar) {
+    const int lane = threadIdx.x & 31;
+    if (lane < 8) stf[lane] = frag_entry(st, lane);  // k-step 0 of the 16 values
+    __syncwarp();
+    const int nop = (op + 1) & 3, half = lane >> 4, dst = lane & 15;
+    unsigned bar;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(bar) : "r"(saddr(&ibar[op])), "r"(dst));
+    uint2 *to = op == 0 && tile >= H / 16 ? kvf + (tile - H / 16) * 8 : xf + xf_off(nop) + tile * 8;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+        const uint4 v = *reinterpret_cast<const uint4 *>(&stf[4 * half + 2 * q]);
+        unsigned a;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(saddr(to + 4 * half + 2 * q)), "r"(dst));
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(a), "r"(v.x),
+                     "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
+                     : "memory");
+    }
+    if (op == 1 || op == 3) {
+        float *buf = op == 1 ? xb : xa;
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+            const int r = 8 * half + 4 * q;
+            const float4 v = *reinterpret_cast<const float4 *>(&st[r]);
+            unsigned a;
+            asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(saddr(buf + tile * 16 + r)), "r"(dst));
+            asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(a), "f"(v.x),
+                         "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+                         : "memory");
+        }
+    }
+}
+
+// The producers' loop (PW warps, PL issuing lanes each: issuer q = PL (warp - NW) + lane): the
+// block's chunks q, q + NQ, ... in order, chunk i into slot i % S once chunk i - S has been
+// consumed (empty[i % S]), landing on full[i % 2S]. NQ divides S, so one issuer owns each slot
+// and its barriers and waits for their phases in order.
+template <int NW, int S, int PW, int PL, bool SPIN>
+__device__ __forceinline__ void produce(const uint4 *src, int total, unsigned char *ring, unsigned long long *full,
+                                        unsigned long long *empty) {
+    constexpr int NQ = PW * PL;
+    static_assert(S % NQ == 0, "one issuer a slot");
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (lane < PL) {
+        for (int i = (w - NW) * PL + lane; i < total; i += NQ) {
+            const int s = i % S;
+            if (i >= S) wait_parity<false, SPIN>(saddr(&empty[s]), (i / S - 1) & 1, 100000 + i);
+            bulk_load(saddr(ring + s * CHUNK), src + (size_t)i * (CHUNK / 16), CHUNK, saddr(&full[i % (2 * S)]));
+        }
+    }
+    __syncwarp();
+}
+
 // SPIN (call 10): every mbarrier wait polls with test_wait instead of try_wait.
 // PUSHF (call 5): each unit pushes its 16 outputs as the next op's B fragments (k-step = its
 // tile; f32 values too where the next op needs them: RMSNorm and the residual), so no block
@@ -114,39 +191,15 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
     for (int k = threadIdx.x; k < NW * work_stride; k += blockDim.x) wl[k / work_stride][k % work_stride] = work[b * NW * work_stride + k];
     if (PUSHF) {
         // Layer 0's qkv input as B fragments (later layers' come with the down projection's pushes).
-        for (int q = threadIdx.x; q < H / 16 * 8; q += blockDim.x) {
-            const int k = (q >> 3) * 16 + 2 * (q & 3);
-            float v[4] = {x0[k], x0[k + 1], x0[k + 8], x0[k + 9]};
-            if (q & 4)
-                for (float &t : v) t -= __bfloat162float(__float2bfloat16_rn(t));
-            xf[q] = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
-        }
+        for (int q = threadIdx.x; q < H / 16 * 8; q += blockDim.x) xf[q] = frag_entry(x0, q);
     }
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < 2 * S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&full[s])) : "memory");
-        for (int s = 0; s < S; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(saddr(&empty[s])) : "memory");
-    }
+    init_ring<S>(full, empty);
     arm_inputs_and_sync(ibar, bytes_in);
 
     if (w >= NW) {
-        // The producers: PW warps, PL lanes each, issuer q = PL (w - NW) + lane streaming
-        // chunks q, q + NQ, ... of the block in order (chunk i into slot i % S once chunk i - S
-        // has been consumed, landing on full[i % 2S]). NQ divides S, so one issuer owns each
-        // slot and its barriers and waits for their phases in order.
-        constexpr int NQ = PW * PL;
         // (MODE 1 keeps no order between a block's warps but the named barrier: PUSHF has none.)
         static_assert(!(MODE == 1 && PUSHF), "MODE 1 needs the named barrier");
-        static_assert(S % NQ == 0, "one issuer a slot");
-        if (lane < PL) {
-            const uint4 *src = packed + b * block_chunks * (CHUNK / 16);
-            const int total = counts[b];
-            for (int i = (w - NW) * PL + lane; i < total; i += NQ) {
-                const int s = i % S;
-                if (i >= S) wait_parity<false, SPIN>(saddr(&empty[s]), (i / S - 1) & 1, 100000 + i);
-                bulk_load(saddr(ring + s * CHUNK), src + (size_t)i * (CHUNK / 16), CHUNK, saddr(&full[i % (2 * S)]));
-            }
-        }
-        __syncwarp();
+        produce<NW, S, PW, PL, SPIN>(packed + b * block_chunks * (CHUNK / 16), counts[b], ring, full, empty);
     } else {
         // TM: lane 0's clock64 cycles in each region (0 waiting for the op's input, 1 its RMS, B
         // fragments and named barrier, 2 waiting for weight chunks, 3 dot products and epilogue,
@@ -224,15 +277,8 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
                 const float sc = (op == 0 || op == 2) && (!PUSHF || mine) ? rms(x) : 1.0f;
                 uint2 *xo = xf + xf_off(op);
                 if (!PUSHF) {
-                // x as B fragments: entry (k-step, lane l < 8) holds x_hi (l < 4) or x_lo
-                // (4 <= l < 8) at columns 2t, 2t + 1, 2t + 8, 2t + 9 of the step (t = l % 4).
-                for (int q = threadIdx.x; q < op_k(op) / 16 * 8; q += NW * 32) {
-                    const int k = (q >> 3) * 16 + 2 * (q & 3);
-                    float v[4] = {x[k], x[k + 1], x[k + 8], x[k + 9]};
-                    if (q & 4)
-                        for (float &t : v) t -= __bfloat162float(__float2bfloat16_rn(t));
-                    xo[q] = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
-                }
+                // x as B fragments (frag_entry), by the block's consumer threads together.
+                for (int q = threadIdx.x; q < op_k(op) / 16 * 8; q += NW * 32) xo[q] = frag_entry(x, q);
                 asm volatile("bar.sync 1, %0;" ::"r"(NW * 32) : "memory");
                 }
                 lap(1);
@@ -268,46 +314,7 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
                     __syncwarp();
                     lap(3);
                     if (MODE == 0 && PUSHF) {
-                        // Lanes 0-7: the 16 values as the next op's k-step `tile` (entry l: x_hi
-                        // (l < 4) or x_lo of rows 2t, 2t + 1, 2t + 8, 2t + 9, t = l % 4); then lane
-                        // j sends half j / 16 of them (and of the f32 values, for xb and xa) to
-                        // block j % 16.
-                        if (lane < 8) {
-                            const int t2 = 2 * (lane & 3);
-                            float v[4] = {stage[w][t2], stage[w][t2 + 1], stage[w][t2 + 8], stage[w][t2 + 9]};
-                            if (lane & 4)
-                                for (float &t : v) t -= __bfloat162float(__float2bfloat16_rn(t));
-                            stagef[w][lane] = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
-                        }
-                        __syncwarp();
-                        const int nop = (op + 1) & 3, half = lane >> 4, dst = lane & 15;
-                        unsigned bar;
-                        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(bar) : "r"(saddr(&ibar[op])), "r"(dst));
-                        {
-                            uint2 *to = op == 0 && tile >= H / 16 ? kvf + (tile - H / 16) * 8 : xf + xf_off(nop) + tile * 8;
-#pragma unroll
-                            for (int q = 0; q < 2; ++q) {
-                                const uint4 v = *reinterpret_cast<const uint4 *>(&stagef[w][4 * half + 2 * q]);
-                                unsigned a;
-                                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(saddr(to + 4 * half + 2 * q)), "r"(dst));
-                                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(a),
-                                             "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(bar)
-                                             : "memory");
-                            }
-                        }
-                        if (op == 1 || op == 3) {
-                            float *buf = op == 1 ? xb : xa;
-#pragma unroll
-                            for (int q = 0; q < 2; ++q) {
-                                const int r = 8 * half + 4 * q;
-                                const float4 v = *reinterpret_cast<const float4 *>(&stage[w][r]);
-                                unsigned a;
-                                asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(saddr(buf + tile * 16 + r)), "r"(dst));
-                                asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(a),
-                                             "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
-                                             : "memory");
-                            }
-                        }
+                        push_frags(stage[w], stagef[w], op, tile, xa, xb, xf, kvf, ibar);
                     } else if (MODE == 0) {
                         // Lane j: rows 8 (j / 16) .. + 7 of the tile to block j % 16.
                         float *buf = op == 0 ? qo : op == 1 ? xb : op == 2 ? hh : xa;
@@ -351,11 +358,161 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
+// Pieces (call 13): a warp's unit of work is one chunk (a piece) of a tile instead of the whole
+// tile: each op's chunks in a block go to the block's warps in turn (piece p of the op to warp
+// p % NW), so every warp works on every op and no warp runs a tile's chunks one after another.
+// Each piece's 16 partial sums are added into the tile's slot in shared memory (atomicAdd); the
+// warp that adds a tile's last piece (a counter per slot) finishes the tile (RMSNorm scale,
+// residual, SiLU) and pushes it as PUSHF does. The sums' order varies with timing (not
+// bit-reproducible). Every warp waits for every op's input in order (the parity rule above).
+// Work-list entry: layer (27-31), op (25-26), slot (22-24: the tile's place in the block's
+// op), tile (15-21), piece within the tile (12-14), chunk index in the block's stream (0-11).
+constexpr int MAXU = 8;  // a block's tiles in one op, at most
+__host__ __device__ constexpr unsigned piece_entry(int l, int op, int slot, int tile, int c, int chunk) {
+    return (unsigned)l << 27 | (unsigned)op << 25 | (unsigned)slot << 22 | (unsigned)tile << 15 | (unsigned)c << 12 | (unsigned)chunk;
+}
+template <int NW, int S, int PW, bool SPIN = false>
+__global__ void __launch_bounds__((NW + PW) * 32, 1)
+    cluster_pieces(const uint4 *packed, size_t block_chunks, const int *counts, const unsigned *work, int work_stride,
+                   const float *x0, float *out, unsigned long long *ns, unsigned long long *tl, unsigned long long *) {
+    extern __shared__ __align__(128) unsigned char ring[];  // S slots of CHUNK bytes
+    __shared__ __align__(16) float xa[H], xb[H];
+    __shared__ __align__(16) uint2 xf[XF];
+    __shared__ __align__(16) float stage[NW][16];
+    __shared__ __align__(16) uint2 stagef[NW][8];
+    __shared__ __align__(16) uint2 kvf[(Q - H) / 16 * 8];
+    __shared__ float part[4][MAXU][2][16];  // per op and slot: the gate (or only) and up sums
+    __shared__ unsigned cnt[4][MAXU];       // per op and slot: pieces added
+    __shared__ __align__(8) unsigned long long full[2 * S], empty[S], ibar[4];  // ibar: 0 qo, 1 xb, 2 hh, 3 xa
+    unsigned b;
+    asm("mov.u32 %0, %%cluster_ctarank;" : "=r"(b));
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const unsigned bytes_in[4] = {Q / 16 * 64, 2 * H * 4, I / 16 * 64, 2 * H * 4};
+    unsigned long long g0;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g0));
+    for (int k = threadIdx.x; k < H; k += blockDim.x) xa[k] = x0[k];
+    for (int k = threadIdx.x; k < 4 * MAXU * 2 * 16; k += blockDim.x) (&part[0][0][0][0])[k] = 0.0f;
+    for (int k = threadIdx.x; k < 4 * MAXU; k += blockDim.x) (&cnt[0][0])[k] = 0u;
+    for (int q = threadIdx.x; q < H / 16 * 8; q += blockDim.x) xf[q] = frag_entry(x0, q);  // layer 0's qkv input
+    init_ring<S>(full, empty);
+    arm_inputs_and_sync(ibar, bytes_in);
+
+    if (w >= NW) {
+        produce<NW, S, PW, 1, SPIN>(packed + b * block_chunks * (CHUNK / 16), counts[b], ring, full, empty);
+    } else {
+        // The work list, 32 entries at a time in the lanes' registers (the next 32 loaded ahead).
+        const unsigned *my = work + (b * NW + w) * work_stride;
+        unsigned wcur = my[lane], wnext = my[32 + lane];
+        int ei = 0;
+        unsigned e = __shfl_sync(0xffffffffu, wcur, 0);
+        auto advance = [&] {
+            if ((++ei & 31) == 0) {
+                wcur = wnext;
+                wnext = my[ei + 32 + lane];  // the host pads each list with END past its last 64
+            }
+            e = __shfl_sync(0xffffffffu, wcur, ei & 31);
+        };
+        unsigned long long *tlp = tl;
+        for (int l = 0; l < L; ++l) {
+            for (int op = 0; op < 4; ++op) {
+                if (l > 0 || op > 0) {
+                    const int k = (op + 3) & 3;
+                    wait_parity<true, SPIN>(saddr(&ibar[k]), (op == 0 ? l - 1 : l) & 1, 200000 + 1000 * k + l);
+                    if (threadIdx.x == 0)
+                        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(saddr(&ibar[k])), "r"(bytes_in[k])
+                                     : "memory");
+                }
+                if ((l == TL || l == TL + 1) && b == 0 && threadIdx.x == 0) {
+                    unsigned long long t;
+                    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+                    *tlp++ = t;
+                }
+                const bool mine = e != END && (e >> 25) == (unsigned)(l << 2 | op);
+                float sc = 1.0f;
+                if (mine && (op == 0 || op == 2)) {
+                    const float *x = op == 0 ? xa : xb;
+                    float ss = 0.0f;
+                    for (int c = lane; c < H; c += 32) ss += x[c] * x[c];
+                    sc = rsqrtf(warp_sum(ss) * (1.0f / H) + EPS);
+                }
+                const uint2 *xo = xf + xf_off(op);
+                while (e != END && (e >> 25) == (unsigned)(l << 2 | op)) {
+                    const int slot = (e >> 22) & 7, tile = (e >> 15) & 127, c = (e >> 12) & 7, i = e & 0xfff;
+                    const int half = op == 2 ? (c & 1) : 0, kc = op == 2 ? c >> 1 : c;
+                    float acc[4][4] = {};
+                    wait_parity<false, SPIN>(saddr(&full[i % (2 * S)]), (i / (2 * S)) & 1, 300000 + i);
+                    const uint4 *a = reinterpret_cast<const uint4 *>(ring + (i % S) * CHUNK) + lane;
+                    const uint2 *xk = xo + kc * STEPS * 8;
+#pragma unroll
+                    for (int st = 0; st < STEPS; ++st) mma16816(acc[st & 3], a[st * 32], lane < 8 ? xk[st * 8 + lane] : make_uint2(0u, 0u));
+                    __syncwarp();
+                    if (lane == 0) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(saddr(&empty[i % S])) : "memory");
+                    // Lane 4g: rows g and g + 8 (the x_hi column plus the x_lo column).
+                    const float r0 = (acc[0][0] + acc[1][0]) + (acc[2][0] + acc[3][0]) + (acc[0][1] + acc[1][1]) + (acc[2][1] + acc[3][1]);
+                    const float r1 = (acc[0][2] + acc[1][2]) + (acc[2][2] + acc[3][2]) + (acc[0][3] + acc[1][3]) + (acc[2][3] + acc[3][3]);
+                    float *ps = part[op][slot][half];
+                    if ((lane & 3) == 0) {
+                        atomicAdd(&ps[lane >> 2], r0);
+                        atomicAdd(&ps[(lane >> 2) + 8], r1);
+                    }
+                    __syncwarp();
+                    // The tile's last piece: its adds, and every other warp's (each fenced before
+                    // its counter increment), are visible after the fence that follows the count.
+                    unsigned last = 0;
+                    if (lane == 0) {
+                        __threadfence_block();
+                        last = atomicAdd(&cnt[op][slot], 1u) == (unsigned)unit_chunks(op) - 1u;
+                        __threadfence_block();
+                    }
+                    last = __shfl_sync(0xffffffffu, last, 0);
+                    if (last) {
+                        __syncwarp();
+                        if (lane < 16) {
+                            const int row = tile * 16 + lane;
+                            float v;
+                            if (op == 2) {
+                                const float g = part[2][slot][0][lane] * sc, u = part[2][slot][1][lane] * sc;
+                                v = __fdividef(g, 1.0f + __expf(-g)) * u;
+                                part[2][slot][1][lane] = 0.0f;
+                            } else {
+                                v = part[op][slot][0][lane];
+                                if (op == 0) v *= sc;
+                                if (op == 1) v += xa[row];
+                                if (op == 3) v += xb[row];
+                            }
+                            part[op][slot][0][lane] = 0.0f;  // for the same op of the next layer
+                            stage[w][lane] = v;
+                        }
+                        if (lane == 0) cnt[op][slot] = 0u;
+                        __syncwarp();
+                        push_frags(stage[w], stagef[w], op, tile, xa, xb, xf, kvf, ibar);
+                        __syncwarp();
+                    }
+                    advance();
+                }
+            }
+        }
+        wait_parity<true, SPIN>(saddr(&ibar[3]), (L - 1) & 1, 203000 + L);
+        if (b == 0)
+            for (int k = threadIdx.x; k < H; k += NW * 32) out[k] = xa[k];
+    }
+    unsigned long long g1;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g1));
+    if (threadIdx.x == 0) ns[b] = g1 - g0;
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 template <int NW_, int S_, int MODE_, int PW_ = 1, int PL_ = 1, bool TM_ = false, bool PUSHF_ = false, bool SPIN_ = false>
 struct Form {
     static constexpr int nw = NW_, slots = S_, mode = MODE_, pw = PW_, pl = PL_;
     static constexpr bool timed = TM_;
     static constexpr auto kernel = cluster_mma<NW_, S_, MODE_, PW_, PL_, TM_, PUSHF_, SPIN_>;
+    static constexpr bool pieces = false;
+};
+template <int NW_, int S_, int PW_, bool SPIN_ = false> struct Pieces {
+    static constexpr int nw = NW_, slots = S_, mode = 0, pw = PW_, pl = 1;
+    static constexpr bool timed = false, pieces = true;
+    static constexpr auto kernel = cluster_pieces<NW_, S_, PW_, SPIN_>;
 };
 
 // The host's plan: which block and warp computes each unit of each layer, and each block's
@@ -382,7 +539,9 @@ static int units_op(int u) {
 // spread 0: each layer's units largest first, each to the block with the fewest chunks so far
 // (over all layers); 1: each op's tiles to the blocks in turn, the turn carried over from op to
 // op and layer to layer (each op's tiles within one of even over the blocks).
-static Plan plan(int nw, int spread) {
+// pieces: the work lists of cluster_pieces (a chunk an entry, each op's chunks in a block to
+// its warps in turn).
+static Plan plan(int nw, int spread, bool pieces = false) {
     Plan p;
     p.work.assign(C * nw, {});
     p.chunks.assign(C, {});
@@ -391,6 +550,7 @@ static Plan plan(int nw, int spread) {
     for (int op : {3, 2, 0, 1})  // largest first
         for (int t = 0; t < op_tiles(op); ++t) units.push_back({op, t});
     std::vector<long> load(C, 0);
+    std::vector<int> next_piece(C, 0);
     int turn = 0;
     for (int l = 0; l < L; ++l) {
         std::vector<std::vector<int>> mine(C);  // unit ids a block
@@ -400,7 +560,24 @@ static Plan plan(int nw, int spread) {
             load[blk] += unit_chunks(units[u].op);
         }
         for (int blk = 0; blk < C; ++blk) {
-            for (int op = 0; op < 4; ++op) {
+            for (int op = 0; op < 4 && pieces; ++op) {
+                int slot = 0;
+                int &piece = next_piece[blk];  // the turn carries over from op to op
+                for (int u : mine[blk]) {
+                    if (units[u].op != op) continue;
+                    if (slot >= MAXU) {
+                        std::fprintf(stderr, "plan: more than %d tiles of op %d in block %d\n", MAXU, op, blk);
+                        std::exit(1);
+                    }
+                    for (int c = 0; c < unit_chunks(op); ++c) {
+                        p.work[blk * nw + piece++ % nw].push_back(piece_entry(l, op, slot, units[u].tile, c, (int)p.chunks[blk].size()));
+                        p.chunks[blk].push_back({l, u});
+                        p.chunk_part[blk].push_back(c);
+                    }
+                    ++slot;
+                }
+            }
+            for (int op = 0; op < 4 && !pieces; ++op) {
                 // Each unit to the warp with the shortest list among those with no unit of this
                 // op yet (all again once every warp has one).
                 std::vector<bool> used(nw, false);
@@ -432,10 +609,13 @@ int main(int argc, char **argv) {
         for (int nw : {8, 16})
             for (int spread : {0, 1}) {
                 const Plan p = plan(nw, spread);
+                const Plan pp = plan(nw, spread, true);
+                size_t pmax = 0;
+                for (auto &v : pp.work) pmax = std::max(pmax, v.size());
                 size_t wmax = 0;
                 for (auto &v : p.work) wmax = std::max(wmax, v.size());
-                std::printf("%2d warps, spread %d: work lists up to %zu entries (limit %d), chunks a block %d-%d\n", nw, spread, wmax,
-                            WLMAX, *std::min_element(p.counts.begin(), p.counts.end()),
+                std::printf("%2d warps, spread %d: work lists up to %zu entries (limit %d; pieces %zu), chunks a block %d-%d\n", nw,
+                            spread, wmax, WLMAX, pmax, *std::min_element(p.counts.begin(), p.counts.end()),
                             *std::max_element(p.counts.begin(), p.counts.end()));
             }
         return 0;
@@ -461,7 +641,7 @@ int main(int argc, char **argv) {
         const auto kern = F::kernel;
         const int nw = F::nw, slots = F::slots, mode = F::mode, pw = F::pw, pl = F::pl;
         const bool timed = F::timed;
-        const Plan p = plan(nw, spread);
+        const Plan p = plan(nw, spread, F::pieces);
         // A warp may wait for a chunk up to 2S chunks past the first chunk of its op (full
         // barriers by chunk index mod 2S): no block's op may hold more.
         for (int blk = 0; blk < C; ++blk) {
@@ -504,7 +684,9 @@ int main(int argc, char **argv) {
             }
         size_t stride = 0;
         for (auto &v : p.work) stride = std::max(stride, v.size());
-        if (stride > WLMAX) {
+        if (F::pieces) {
+            stride = (stride + 31) / 32 * 32 + 64;  // cluster_pieces loads 32 entries ahead
+        } else if (stride > WLMAX) {
             std::printf("%s: a work list of %zu entries (at most %d); not run\n", what, stride, WLMAX);
             return;
         }
@@ -586,9 +768,16 @@ int main(int argc, char **argv) {
         run(Form<8, 20, 2, 4, 1>{}, "stream only", 1);
     }
     // Call 9: 10.77 us a layer at 32 slots, 11.70 at 24, 11.81 at 20; 9.14 without hand-offs;
-    // the stream alone 5.67 (6.08 at 20 slots). Call 10: the waits never suspend (SPIN).
-    run(Form<8, 32, 0, 4, 1, false, true, true>{}, "pushed frags, spin", 1);
-    run(Form<16, 32, 0, 4, 1, true, true, true>{}, "pushed frags, spin", 1);
-    run(Form<8, 32, 1, 4, 1, true, false, true>{}, "no hand-off, spin", 1);
+    // the stream alone 5.67 (6.08 at 20 slots). Call 10: the waits never suspend (SPIN): 11.00.
+    if (!latest) {
+        run(Form<8, 32, 0, 4, 1, false, true, true>{}, "pushed frags, spin", 1);
+        run(Form<16, 32, 0, 4, 1, true, true, true>{}, "pushed frags, spin", 1);
+        run(Form<8, 32, 1, 4, 1, true, false, true>{}, "no hand-off, spin", 1);
+    }
+    // Call 13: pieces (cluster_pieces): every op's chunks over all of a block's warps.
+    run(Pieces<8, 32, 4>{}, "pieces", 1);
+    run(Pieces<16, 32, 4>{}, "pieces", 1);
+    run(Pieces<16, 32, 4>{}, "pieces", 0);
+    run(Pieces<12, 32, 4>{}, "pieces", 1);
     return 0;
 }
