@@ -158,6 +158,9 @@ template <int CC, int NW, int CHUNK> struct CopyIter {
 // see CopyIter) and TIMERS (each warp's lane 0 sums the clock64 cycles spent waiting for its
 // copies, in the dot products, and refilling the ring, into regions[(b WARPS + w) 4 + 0..2],
 // with the whole loop's cycles in + 3): the split that says which of the two comes first.
+// Approximate: the dot-product region includes each output's emit (with the hand-off, its
+// st.async pushes), the loop's total includes the set-up before the loop, and the timer reads
+// are no ordering barrier for the compiler.
 template <int WARPS, int RING, int MODE = 0, bool PACKED = false, int CHUNK = 6144, bool SLOTS = false, bool SPLIT_ACC = false,
           int CC = 0, bool TIMERS = false>
 __global__ void __launch_bounds__(WARPS * 32, 1) cluster_layers(Weights W, const float *x0, float *out, unsigned long long *ns,

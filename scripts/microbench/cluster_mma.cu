@@ -17,8 +17,8 @@
 // chunks); a chunk is 12 k-steps of a tile, 6144 bytes in mma-fragment order (lane l's 16 bytes
 // of step s at s 512 + 16 l), so a lane's A fragment is one 16-byte shared-memory load without
 // bank conflicts. The host packs, per block, every chunk the block consumes, in the order it
-// consumes them (an engine would do this at load time), and assigns units to blocks (the
-// kernel's `spread`: 0, largest first to the block with the fewest chunks so far over all
+// consumes them (an engine would do this at load time), and assigns units to blocks (plan()'s
+// `spread`: 0, largest first to the block with the fewest chunks so far over all
 // layers; 1, each op's tiles to the blocks in turn) and, within a block and op, to the warps
 // with the shortest lists. Each block has PW producer warps whose PL lanes each stream every
 // (PW PL)-th of the block's chunks through S slots of shared memory with bulk copies (one
@@ -203,7 +203,12 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
     } else {
         // TM: lane 0's clock64 cycles in each region (0 waiting for the op's input, 1 its RMS, B
         // fragments and named barrier, 2 waiting for weight chunks, 3 dot products and epilogue,
-        // 4 pushes), written to regions[(b NW + w) 6 + k] with the loop's total in k = 5.
+        // 4 pushes), written to regions[(b NW + w) 6 + k] with the loop's total in k = 5. The
+        // split is approximate: the timer reads are no ordering barrier (clock64 has no memory
+        // clobber, the mma asm is not volatile), so the compiler may move work across them (the
+        // no-hand-off form, which pushes nothing, books 17-59% to region 4), and a warp with
+        // two tiles in an op would book its first tile's push to region 3 (the committed plans
+        // give a warp at most one tile an op).
         unsigned long long tm[5] = {0, 0, 0, 0, 0};
         long long t_last = clock64();
         const long long t_loop0 = t_last;
@@ -225,9 +230,12 @@ __global__ void __launch_bounds__((NW + PW) * 32, 1)
                 *tlp++ = t;
             }
         };
-        // Waits for buffer k's phase `ph`; thread 0 then arms its next phase (which no block
-        // can complete before every warp here has passed this op's named barrier: the next
-        // phase's values are computed from this block's later outputs).
+        // Waits for buffer k's phase `ph`; thread 0 then arms its next phase. No block can
+        // complete that phase before this block's later outputs exist, which every warp here
+        // computes only after it has waited for phase ph (every warp waits every phase in
+        // order; without PUSHF the op's named barrier also holds them together). Bytes of the
+        // next phase that land before the arming leave its tx-count negative for that while,
+        // which the mbarrier allows.
         auto ready = [&](int k, int ph) {
             wait_parity<true, SPIN>(saddr(&ibar[k]), ph & 1, 200000 + 1000 * k + ph);
             if (threadIdx.x == 0)
@@ -543,6 +551,13 @@ static int units_op(int u) {
 // its warps in turn).
 static Plan plan(int nw, int spread, bool pieces = false) {
     Plan p;
+    // The work-list entries' fields (entry(), piece_entry()) must hold every value.
+    static_assert(L <= 32 && Q / 16 <= 128 && I / 16 <= 128, "an entry's layer or tile field is too narrow");
+    auto fits = [&](int chunk) {
+        if (chunk < (pieces ? 1 << 12 : 1 << 16)) return true;
+        std::printf("plan: chunk %d does not fit an entry's chunk field\n", chunk);
+        return false;
+    };
     p.work.assign(C * nw, {});
     p.chunks.assign(C, {});
     p.chunk_part.assign(C, {});
@@ -566,10 +581,11 @@ static Plan plan(int nw, int spread, bool pieces = false) {
                 for (int u : mine[blk]) {
                     if (units[u].op != op) continue;
                     if (slot >= MAXU) {
-                        std::fprintf(stderr, "plan: more than %d tiles of op %d in block %d\n", MAXU, op, blk);
-                        std::exit(1);
+                        std::printf("plan: more than %d tiles of op %d in block %d\n", MAXU, op, blk);
+                        return Plan{};  // (empty: run() skips the form)
                     }
                     for (int c = 0; c < unit_chunks(op); ++c) {
+                        if (!fits((int)p.chunks[blk].size())) return Plan{};
                         p.work[blk * nw + piece++ % nw].push_back(piece_entry(l, op, slot, units[u].tile, c, (int)p.chunks[blk].size()));
                         p.chunks[blk].push_back({l, u});
                         p.chunk_part[blk].push_back(c);
@@ -589,6 +605,7 @@ static Plan plan(int nw, int spread, bool pieces = false) {
                         if (!used[ww] && (best < 0 || p.work[blk * nw + ww].size() < p.work[blk * nw + best].size())) best = ww;
                     used[best] = true;
                     const int first = (int)p.chunks[blk].size();
+                    if (!fits(first)) return Plan{};
                     p.work[blk * nw + best].push_back(entry(l, op, units[u].tile, first));
                     for (int c = 0; c < unit_chunks(op); ++c) {
                         p.chunks[blk].push_back({l, u});
@@ -610,6 +627,7 @@ int main(int argc, char **argv) {
             for (int spread : {0, 1}) {
                 const Plan p = plan(nw, spread);
                 const Plan pp = plan(nw, spread, true);
+                if (p.counts.empty() || pp.counts.empty()) continue;
                 size_t pmax = 0;
                 for (auto &v : pp.work) pmax = std::max(pmax, v.size());
                 size_t wmax = 0;
@@ -642,6 +660,10 @@ int main(int argc, char **argv) {
         const int nw = F::nw, slots = F::slots, mode = F::mode, pw = F::pw, pl = F::pl;
         const bool timed = F::timed;
         const Plan p = plan(nw, spread, F::pieces);
+        if (p.counts.empty()) {
+            std::printf("%s: no plan; not run\n", what);
+            return;
+        }
         // A warp may wait for a chunk up to 2S chunks past the first chunk of its op (full
         // barriers by chunk index mod 2S): no block's op may hold more.
         for (int blk = 0; blk < C; ++blk) {

@@ -153,7 +153,8 @@ inline HostLayers make_layers() {
 // Host side: `launch()` (one launch of a kernel that writes xa after L layers to dout and each
 // block's %globaltimer span to dns[block], block 0's op stamps to dtl) 11 times, the first a
 // warm-up, each after zeroing dout and followed by a synchronisation. Returns the median of
-// block 0's spans in µs, the largest error of dout against the host reference and the stamps.
+// block 0's spans over the 10 timed launches in µs (the upper of the two middle values), and
+// the last launch's largest error of dout against the host reference and its stamps.
 struct LayersRun {
     double us, maxerr, maxref;
     unsigned long long tl[9];
