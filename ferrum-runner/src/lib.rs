@@ -29,6 +29,7 @@ pub mod load;
 pub mod model;
 pub mod npy;
 pub mod sampling;
+pub mod screen;
 pub mod session;
 pub mod shard;
 pub mod synthetic;

@@ -222,6 +222,15 @@ impl CpuModel {
         Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
     }
 
+    /// Runs `tokens` at positions `cache.len()..` like [`forward_with`](Self::forward_with)
+    /// without a reducer, and returns the last token's final RMSNorm output (`[D]`, f32): the
+    /// LM head's input, for analyses of the head (such as [`crate::screen`]). On error the
+    /// cache is unchanged.
+    pub fn forward_normed(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
+        let last = self.forward_last(cache, tokens, &mut NoReduce)?;
+        Ok(last.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+    }
+
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<()> {
         if tokens.is_empty() {
             return Err(Error::InvalidInput("no tokens to run".into()));
@@ -240,6 +249,12 @@ impl CpuModel {
     }
 
     fn forward_hidden(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Tensor> {
+        let last = self.forward_last(cache, tokens, reducer)?;
+        self.lm_head.forward(&last) // [1, V]
+    }
+
+    /// The layers and the final RMSNorm: the last token's normed hidden state, `[1, D]`.
+    fn forward_last(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Tensor> {
         self.check_input(cache, tokens)?;
         let cfg = &self.config;
         let (t, start) = (tokens.len(), cache.len);
@@ -314,7 +329,6 @@ impl CpuModel {
         }
         cache.len = s;
         let last = x.narrow(0, t - 1, 1)?; // [1, D]
-        let last = rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)?;
-        self.lm_head.forward(&last) // [1, V]
+        rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)
     }
 }

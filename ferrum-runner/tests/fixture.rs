@@ -11,11 +11,14 @@
 //! The quantized default path (Q4_1 weights, Q8 activations inside candle's kernels) is a
 //! different function, so it is held to a looser bound: ‖Δ‖/‖ref‖ ≤ 0.1 and the same first
 //! token on every prompt whose top-1 margin exceeds 0.5.
+mod common;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 use ferrum_runner::model::CpuModel;
 use ferrum_runner::sampling::argmax;
+use ferrum_runner::screen::ScreenedHead;
 use ferrum_runner::weights::WeightFormat;
 use serde_json::Value;
 
@@ -123,4 +126,30 @@ fn cli_prints_hf_greedy_continuations() {
         let stdout = String::from_utf8(out.stdout).unwrap();
         assert_eq!(stdout, format!("{want}\n"), "{name}: stderr was {stderr}");
     }
+}
+
+/// The screened LM head (`ferrum_runner::screen`) on the real model's tied head (49152 × 576):
+/// at every greedy step of every fixture prompt, the token among its candidates (exact logits
+/// by the same f32 arithmetic as the full head) is the full head's token, at 8 and at 4 bits a
+/// weight. Prints how many of the 49152 rows each width leaves (what a GPU head would re-read).
+#[test]
+fn screened_head_keeps_the_greedy_tokens() {
+    let r = reference();
+    let m = ferrum_runner::load::load_model(&model_path(), WeightFormat::Dense(candle_core::DType::F32)).unwrap();
+    let model = CpuModel::new(&m.weights).unwrap();
+    let w = m.weights.lm_head.to_dense(candle_core::DType::F32).unwrap();
+    let (rows, cols) = w.dims2().unwrap();
+    let w = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let heads = [8, 4].map(|bits| ScreenedHead::new(&w, rows, cols, bits).unwrap());
+    let mut counts = vec![Vec::new(); heads.len()];
+    for case in r["cases"].as_array().unwrap() {
+        let per_case = common::screened_greedy(&model, &w, cols, &heads, &ids(&case["prompt_ids"]), 16);
+        for (all, n) in counts.iter_mut().zip(per_case) {
+            all.extend(n);
+        }
+    }
+    for n in &mut counts {
+        n.sort_unstable();
+    }
+    common::report_screening("SmolLM2-135M-Instruct's head", &heads, &counts);
 }
