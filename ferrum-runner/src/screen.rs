@@ -34,13 +34,23 @@
 //! - any f32 evaluation `ℓ_i` of the full row's dot product differs from `d_i` by at most
 //!   `γ max_j |w_ij| ‖x‖₁`.
 //!
-//! So `|ℓ_i − ŝ_i| ≤ B_i`, the sum of the three, computed in f64 and enlarged by a factor
+//! Those are the relative rounding model's bounds, which hold while no result is subnormal.
+//! An operation whose result underflows errs by at most 2⁻¹⁵⁰ absolutely (sums of subnormals
+//! are exact, and the screening products `q x` are exact there: an integer times a multiple of
+//! 2⁻¹⁴⁹), so `(K + 2) 2⁻¹⁴⁹` more covers the full dot's K products and the scale product.
+//! An evaluation that overflows has no bound: when `(1 + γ) max_j |w_ij| ‖x‖₁`, which caps every
+//! partial sum of the row's dot product in any order, reaches `f32::MAX` for any row, there is
+//! no screening (see below).
+//!
+//! So `|ℓ_i − ŝ_i| ≤ B_i`, the sum of the four, computed in f64 and enlarged by a factor
 //! `1 + 10⁻⁶` that covers the f64 rounding of the bound itself and of `‖x‖₁`. If `i*` is the
 //! full head's argmax, `ŝ_{i*} + B_{i*} ≥ ℓ_{i*} ≥ ℓ_k ≥ ŝ_k − B_k` for every `k`, so `i*` is among
 //! the rows with `ŝ_i + B_i ≥ max_k (ŝ_k − B_k)`. Ties between candidates go to the smallest
 //! index, as [`crate::sampling::argmax`] breaks them. A row with a non-finite weight is always
-//! a candidate; an input with a non-finite value, or a screening logit that overflows, has no
-//! bound ([`ScreenedHead::candidates`] returns `None`: compute the full head).
+//! a candidate; an input with a non-finite value, or one whose logits could overflow, has no
+//! bound ([`ScreenedHead::candidates`] returns `None`: compute the full head). The bound is
+//! about f32 evaluations of the row's dot product with these f32 inputs: a head that rounds
+//! its input first (to bf16, say) computes another function, outside it.
 use crate::error::{Error, Result};
 
 /// f32's unit roundoff.
@@ -63,6 +73,8 @@ pub struct ScreenedHead {
     err: Vec<f64>,
     /// Per row: `max_j |w_ij|`.
     wmax: Vec<f64>,
+    /// The largest `wmax` of a finite row (for the overflow test).
+    wmax_all: f64,
 }
 
 impl ScreenedHead {
@@ -106,7 +118,8 @@ impl ScreenedHead {
             err.push(e);
             wmax.push(m as f64);
         }
-        Ok(Self { rows, cols, bits, q, scale, err, wmax })
+        let wmax_all = wmax.iter().copied().filter(|v: &f64| v.is_finite()).fold(0.0, f64::max);
+        Ok(Self { rows, cols, bits, q, scale, err, wmax, wmax_all })
     }
 
     pub fn rows(&self) -> usize {
@@ -121,27 +134,36 @@ impl ScreenedHead {
         self.bits
     }
 
-    /// The bytes a device copy of the screening head reads a token: the packed weights and a
-    /// 4-byte scale and 4-byte error a row.
+    /// The bytes a device copy of the screening head would read a token: each row's packed
+    /// weights (whole bytes) and two f32 values a row (the scale, and the bound's coefficient
+    /// of `‖x‖₁`, rounded up).
     pub fn screen_bytes(&self) -> usize {
-        self.rows * self.cols * self.bits as usize / 8 + self.rows * 8
+        self.rows * ((self.cols * self.bits as usize).div_ceil(8) + 8)
     }
 
     /// The rows that may hold the argmax of `W x` (ascending), or `None` when `x` holds a
-    /// non-finite value or a screening logit overflows (then there is no bound: compute the
-    /// full head). Never empty otherwise.
+    /// non-finite value or a logit could overflow (then there is no bound: compute the full
+    /// head). Never empty otherwise.
     pub fn candidates(&self, x: &[f32]) -> Result<Option<Vec<u32>>> {
+        let Some(sb) = self.bounds(x)? else { return Ok(None) };
+        let floor = sb.iter().map(|&(s, b)| s - b).fold(f64::NEG_INFINITY, f64::max);
+        Ok(Some(sb.iter().enumerate().filter(|&(_, &(s, b))| s + b >= floor).map(|(i, _)| i as u32).collect()))
+    }
+
+    /// Every row's screening logit `ŝ_i` and bound `B_i` (module documentation), or `None`
+    /// when there is no bound.
+    fn bounds(&self, x: &[f32]) -> Result<Option<Vec<(f64, f64)>>> {
         if x.len() != self.cols {
             return Err(Error::InvalidInput(format!("screened head: input of {} for {} columns", x.len(), self.cols)));
         }
         let l1: f64 = x.iter().map(|v| (*v as f64).abs()).sum();
-        if !l1.is_finite() {
-            return Ok(None);
-        }
         let k = self.cols as f64;
         let gamma = k * U / (1.0 - k * U);
+        if !l1.is_finite() || (1.0 + gamma) * self.wmax_all * l1 * BOUND_SLACK >= f32::MAX as f64 {
+            return Ok(None);
+        }
         let qmax = ((1i32 << (self.bits - 1)) - 1) as f64;
-        // (screening logit, bound) per row
+        let tiny = (k + 2.0) * f64::from(f32::from_bits(1)); // (K + 2) 2⁻¹⁴⁹: underflows
         let mut sb = Vec::with_capacity(self.rows);
         for (i, qr) in self.q.chunks_exact(self.cols).enumerate() {
             if self.err[i].is_infinite() {
@@ -156,12 +178,12 @@ impl ScreenedHead {
             let b = (self.err[i] * l1
                 + gamma * qmax * self.scale[i] as f64 * l1
                 + U * (s as f64).abs()
-                + gamma * self.wmax[i] * l1)
+                + gamma * self.wmax[i] * l1
+                + tiny)
                 * BOUND_SLACK;
             sb.push((s as f64, b));
         }
-        let floor = sb.iter().map(|&(s, b)| s - b).fold(f64::NEG_INFINITY, f64::max);
-        Ok(Some(sb.iter().enumerate().filter(|&(_, &(s, b))| s + b >= floor).map(|(i, _)| i as u32).collect()))
+        Ok(Some(sb))
     }
 }
 
@@ -282,7 +304,93 @@ mod tests {
         assert!(ScreenedHead::new(&w, usize::MAX, 2, 8).is_err());
         let head = ScreenedHead::new(&w, 3, 4, 4).unwrap();
         assert!(head.candidates(&[1.0; 3]).is_err());
-        assert_eq!(head.screen_bytes(), 3 * 4 / 2 + 3 * 8);
+        assert_eq!(head.screen_bytes(), 3 * (2 + 8));
+        assert_eq!(ScreenedHead::new(&w[..9], 3, 3, 4).unwrap().screen_bytes(), 3 * (2 + 8));
+    }
+
+    /// Four f32 evaluations of one dot product: forward, backward, forward with FMA, pairwise.
+    fn orders(w: &[f32], x: &[f32]) -> [f32; 4] {
+        fn pairwise(p: &[f32]) -> f32 {
+            if p.len() == 1 {
+                return p[0];
+            }
+            let (a, b) = p.split_at(p.len() / 2);
+            pairwise(a) + pairwise(b)
+        }
+        let prods: Vec<f32> = w.iter().zip(x).map(|(a, b)| a * b).collect();
+        [
+            prods.iter().fold(0.0f32, |s, p| s + p),
+            prods.iter().rev().fold(0.0f32, |s, p| s + p),
+            w.iter().zip(x).fold(0.0f32, |s, (a, b)| a.mul_add(*b, s)),
+            pairwise(&prods),
+        ]
+    }
+
+    #[test]
+    fn the_bound_holds_where_only_the_rounding_terms_decide() {
+        // An exact copy (w = s q, so e = 0) and an input whose small entries sit at the f32
+        // rounding scale of the large one: only the γ and u terms cover the distance.
+        let cols = 128;
+        let s0 = 1.5f32 / 128.0;
+        let w: Vec<f32> = (0..cols).map(|j| s0 * if j == 0 { 127.0 } else { 1.0 }).collect();
+        let x: Vec<f32> = (0..cols).map(|j| if j == 0 { 1.0 / 127.0 } else { 0.9 * 2f32.powi(-24) }).collect();
+        let head = ScreenedHead::new(&w, 1, cols, 8).unwrap();
+        assert_eq!(head.err[0], 0.0);
+        let (sh, b) = head.bounds(&x).unwrap().unwrap()[0];
+        for l in orders(&w, &x) {
+            assert!((l as f64 - sh).abs() <= b, "|{l} - {sh}| > {b}");
+        }
+        // Two rows whose order only the rounding terms settle (found by a search over such
+        // heads: with all three rounding terms dropped the screened token was wrong).
+        let (s0, s1) = (1.5f32 / 128.0, 1.25f32 / 128.0);
+        let mut w = vec![0.0f32; 2 * cols];
+        w[0] = 127.0 * s0;
+        w[cols + 1] = 127.0 * s1;
+        for j in 2..65 {
+            w[j] = s0;
+        }
+        for j in 65..cols {
+            w[cols + j] = s1;
+        }
+        let x: Vec<f32> = (0..cols)
+            .map(|j| match j {
+                0 => 1.0 / 127.0,
+                1 => 9.448761e-3,
+                2..=64 => 0.6 * 2f32.powi(-24),
+                _ => 1.05 * 2f32.powi(-25),
+            })
+            .collect();
+        let head = ScreenedHead::new(&w, 2, cols, 8).unwrap();
+        let c = head.candidates(&x).unwrap().unwrap();
+        for o in 0..4 {
+            let full: Vec<f32> = (0..2).map(|i| orders(&w[i * cols..][..cols], &x)[o]).collect();
+            assert_eq!(argmax_among(&c, |i| full[i as usize]), Some(argmax(&full)), "order {o}");
+        }
+    }
+
+    #[test]
+    fn subnormal_logits_keep_the_token() {
+        // Every product underflows: the bound's absolute term covers what the relative model
+        // does not (without it the screened token was row 1).
+        let t = 2f32.powi(-49);
+        let w = [1.5 * t, 1.5 * t, 1.5 * t, 5.0 * t, 0.0, 0.0];
+        let x = [2f32.powi(-100); 3];
+        let head = ScreenedHead::new(&w, 2, 3, 8).unwrap();
+        let c = head.candidates(&x).unwrap().unwrap();
+        for o in 0..4 {
+            let full: Vec<f32> = (0..2).map(|i| orders(&w[i * 3..][..3], &x)[o]).collect();
+            assert_eq!(argmax_among(&c, |i| full[i as usize]), Some(argmax(&full)), "order {o}");
+        }
+    }
+
+    #[test]
+    fn logits_that_may_overflow_have_no_bound() {
+        // Row 0's sequential sum overflows to +inf although its screening logit is finite.
+        let w = [3e38f32, 3e38, -3e38, 3.3e38, 0.0, 0.0];
+        let head = ScreenedHead::new(&w, 2, 3, 8).unwrap();
+        assert!(head.candidates(&[1.0; 3]).unwrap().is_none());
+        // Small inputs keep every partial sum far from the limit: screened as usual.
+        assert!(head.candidates(&[1e-3; 3]).unwrap().is_some());
     }
 
     #[test]
