@@ -346,12 +346,8 @@ mod tests {
         let mut w = vec![0.0f32; 2 * cols];
         w[0] = 127.0 * s0;
         w[cols + 1] = 127.0 * s1;
-        for j in 2..65 {
-            w[j] = s0;
-        }
-        for j in 65..cols {
-            w[cols + j] = s1;
-        }
+        w[2..65].fill(s0);
+        w[cols + 65..2 * cols].fill(s1);
         let x: Vec<f32> = (0..cols)
             .map(|j| match j {
                 0 => 1.0 / 127.0,
