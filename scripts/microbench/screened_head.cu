@@ -1,0 +1,306 @@
+// The screened LM head on the GPU (session 33): how long does the greedy token take when the
+// head is read as an int8 copy (ferrum_runner::screen's bound) instead of as bf16 rows?
+//
+// A stand-alone CUDA program (not part of the build; the GPU machine has nvcc):
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/sh scripts/microbench/screened_head.cu && /tmp/sh
+//
+// For the LM heads of SmolLM2-135M (49152 x 576), Llama-3.2-1B (128256 x 2048) and Llama-3-8B
+// (128256 x 4096), random bf16 weights and a random input:
+// - full: a bf16 GEMV (a warp a row group, 16-byte chunks, f32 accumulate) writing the logits,
+//   then the two-pass argmax (block partials, one final block), as the engine's step does;
+// - screened: one kernel streams the int8 copy (a 16-byte chunk is 16 weights), computes each
+//   row's screening logit and bound (B = c_i ||x||_1 + u |s| + (K + 2) 2^-149, c_i from the
+//   host: e_i + gamma (Q s_i + max|w_i|), rounded up), raises a global floor (the largest lower
+//   bound, an atomicMax on an order-preserving integer image of the float) and re-reads in bf16
+//   the rows of its warp whose upper bound reaches the floor seen so far, appending (exact
+//   logit, row, upper bound) to a list; one block keeps the entries whose upper bound reaches
+//   the final floor and picks the largest logit (smallest row on ties).
+// Before every timed pass a 256 MiB memset evicts the L2 (a decode step reads the other
+// weights between two heads). Printed: the median of 20 passes of each, the token of each
+// (they must agree), the candidates kept and the list's length.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "check.cuh"
+#include "timing.cuh"
+
+constexpr int WARPS = 8;  // warps a block
+constexpr int ROWS = 2;   // rows a warp
+constexpr int PARTS = 1024;  // argmax partial blocks, at most
+constexpr float U = 1.0f / 16777216.0f;
+
+__device__ __forceinline__ float bf(uint32_t v, int hi) { return __uint_as_float(hi ? (v & 0xffff0000u) : (v << 16)); }
+__device__ __forceinline__ float dot_bf16(const uint4 &w, const float4 &a, const float4 &b) {
+    return bf(w.x, 0) * a.x + bf(w.x, 1) * a.y + bf(w.y, 0) * a.z + bf(w.y, 1) * a.w + bf(w.z, 0) * b.x + bf(w.z, 1) * b.y +
+           bf(w.w, 0) * b.z + bf(w.w, 1) * b.w;
+}
+__device__ __forceinline__ float warp_sum32(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+// An order-preserving integer image of a float (for atomicMax on floats, -inf included).
+__device__ __forceinline__ int ord(float f) {
+    const int i = __float_as_int(f);
+    return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float unord(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
+
+// The row's exact logit: a warp over its bf16 row (lane l takes chunks l, l + 32, ...).
+__device__ __forceinline__ float exact_row(const __nv_bfloat16 *w, const float *x, int K, int r, int lane) {
+    const uint4 *wr = reinterpret_cast<const uint4 *>(w + (size_t)r * K);
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    float acc = 0.0f;
+    for (int c = lane; c < K / 8; c += 32) acc += dot_bf16(__ldg(wr + c), __ldg(x4 + 2 * c), __ldg(x4 + 2 * c + 1));
+    return warp_sum32(acc);
+}
+
+// Full head: logits[r] = W[r] . x, ROWS rows a warp.
+__global__ void __launch_bounds__(WARPS * 32) gemv_bf16(const __nv_bfloat16 *w, const float *x, float *y, int V, int K) {
+    const int lane = threadIdx.x & 31, r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (r0 >= V) return;
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    float acc[ROWS] = {};
+    for (int c = lane; c < K / 8; c += 32) {
+        const float4 a = __ldg(x4 + 2 * c), b = __ldg(x4 + 2 * c + 1);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j)
+            if (r0 + j < V) acc[j] += dot_bf16(__ldg(reinterpret_cast<const uint4 *>(w + (size_t)(r0 + j) * K) + c), a, b);
+    }
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        const float v = warp_sum32(acc[j]);
+        if (lane == 0 && r0 + j < V) y[r0 + j] = v;
+    }
+}
+// Argmax pass 1: block b over its slice; pass 2: one block over the partials.
+__device__ __forceinline__ void better(float &v, int &i, float ov, int oi) {
+    if (ov > v || (ov == v && oi < i)) v = ov, i = oi;
+}
+__device__ void block_best(float &v, int &i) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    if (lane == 0) sv[wid] = v, si[wid] = i;
+    __syncthreads();
+    if (wid == 0) {
+        v = lane < (int)(blockDim.x >> 5) ? sv[lane] : -INFINITY;
+        i = lane < (int)(blockDim.x >> 5) ? si[lane] : 0x7fffffff;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) better(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    }
+}
+__global__ void argmax_partial(const float *y, int V, int chunk, float *pv, int *pi) {
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int r = blockIdx.x * chunk + threadIdx.x; r < min(V, (blockIdx.x + 1) * chunk); r += blockDim.x) better(v, i, y[r], r);
+    block_best(v, i);
+    if (threadIdx.x == 0) pv[blockIdx.x] = v, pi[blockIdx.x] = i;
+}
+__global__ void argmax_final(const float *pv, const int *pi, int n, int *out) {
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) better(v, i, pv[p], pi[p]);
+    block_best(v, i);
+    if (threadIdx.x == 0) out[0] = i;
+}
+
+struct Entry {
+    float logit, upper;
+    int row, pad;
+};
+// Screened head: ROWS rows a warp over the int8 copy (16 weights a 16-byte chunk).
+__global__ void __launch_bounds__(WARPS * 32)
+    screen(const int8_t *q, const float *scale, const float *coef, const __nv_bfloat16 *w, const float *x, int V, int K, int *floor_ord,
+           Entry *list, int *count) {
+    const int lane = threadIdx.x & 31, r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (r0 >= V) return;
+    const float4 *x4 = reinterpret_cast<const float4 *>(x);
+    // ||x||_1 (every warp; x is in the L2), and the dot products.
+    float l1 = 0.0f, acc[ROWS] = {};
+    for (int c = lane; c < K / 16; c += 32) {
+        const float4 a = __ldg(x4 + 4 * c), b = __ldg(x4 + 4 * c + 1), d = __ldg(x4 + 4 * c + 2), e = __ldg(x4 + 4 * c + 3);
+        const float xs[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x, d.y, d.z, d.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+        for (int t = 0; t < 16; ++t) l1 += fabsf(xs[t]);
+#pragma unroll
+        for (int j = 0; j < ROWS; ++j) {
+            if (r0 + j >= V) continue;
+            const int4 v = __ldg(reinterpret_cast<const int4 *>(q + (size_t)(r0 + j) * K) + c);
+            const int ws[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int t = 0; t < 16; ++t) acc[j] = fmaf((float)(int8_t)(ws[t / 4] >> (8 * (t % 4))), xs[t], acc[j]);
+        }
+    }
+    l1 = warp_sum32(l1) * (1.0f + 2.0f * K * U);  // f32 sum of K terms, enlarged past its rounding
+    const float tiny = (K + 2) * 1.401298464e-45f;
+    float s[ROWS], b[ROWS], lo = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        s[j] = warp_sum32(acc[j]) * (r0 + j < V ? scale[r0 + j] : 0.0f);
+        b[j] = r0 + j < V ? (coef[r0 + j] * l1 + U * fabsf(s[j]) + tiny) * (1.0f + 4.0f * U) : INFINITY;
+        if (r0 + j < V) lo = fmaxf(lo, s[j] - b[j]);
+    }
+    // Raise the floor, then re-read the rows that reach the floor seen so far (a superset of
+    // those that reach the final one: the floor only rises).
+    int f = 0;
+    if (lane == 0) f = max(atomicMax(floor_ord, ord(lo)), ord(lo));
+    const float fl = unord(__shfl_sync(0xffffffffu, f, 0));
+#pragma unroll
+    for (int j = 0; j < ROWS; ++j) {
+        if (r0 + j >= V || s[j] + b[j] < fl) continue;
+        const float l = exact_row(w, x, K, r0 + j, lane);
+        if (lane == 0) {
+            const int at = atomicAdd(count, 1);
+            if (at < V) list[at] = Entry{l, s[j] + b[j], r0 + j, 0};
+        }
+    }
+}
+__global__ void pick(const Entry *list, const int *count, const int *floor_ord, int *out) {
+    const float fl = unord(*floor_ord);
+    const int n = min(*count, 1 << 30);
+    float v = -INFINITY;
+    int i = 0x7fffffff;
+    for (int e = threadIdx.x; e < n; e += blockDim.x)
+        if (list[e].upper >= fl) better(v, i, list[e].logit, list[e].row);
+    block_best(v, i);
+    if (threadIdx.x == 0) out[0] = i;
+}
+__global__ void reset(int *floor_ord, int *count) {
+    *floor_ord = ord(-INFINITY);
+    *count = 0;
+}
+
+int main() {
+    struct Shape {
+        const char *name;
+        int V, K;
+    };
+    const Shape shapes[] = {{"smollm2-135m", 49152, 576}, {"llama3.2-1b", 128256, 2048}, {"llama3-8b", 128256, 4096}};
+    void *flush;
+    const size_t FLUSH = size_t(256) << 20;
+    CHECK(cudaMalloc(&flush, FLUSH));
+    for (const Shape &sh : shapes) {
+        const int V = sh.V, K = sh.K;
+        // Random weights in [-0.05, 0.05) (bf16) and input in [-2, 2); the int8 copy and the
+        // bound's coefficients on the host (as ferrum_runner::screen computes them).
+        std::vector<__nv_bfloat16> hw((size_t)V * K);
+        std::vector<int8_t> hq((size_t)V * K);
+        std::vector<float> hs(V), hc(V), hx(K);
+        uint64_t st = 0x243f6a8885a308d3ull;
+        auto rnd = [&] {
+            st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+            return (float)(st >> 40) / 16777216.0f * 2.0f - 1.0f;
+        };
+        for (auto &v : hw) v = __float2bfloat16(0.05f * rnd());
+        for (auto &v : hx) v = 2.0f * rnd();
+        const double gamma = (double)K * U / (1.0 - (double)K * U);
+        for (int r = 0; r < V; ++r) {
+            const __nv_bfloat16 *row = &hw[(size_t)r * K];
+            float m = 0.0f;
+            for (int j = 0; j < K; ++j) m = std::max(m, std::fabs(__bfloat162float(row[j])));
+            const float s = m / 127.0f;
+            double e = 0.0;
+            for (int j = 0; j < K; ++j) {
+                const float wv = __bfloat162float(row[j]);
+                const float k = s > 0.0f ? std::min(127.0f, std::max(-127.0f, std::nearbyint(wv / s))) : 0.0f;
+                hq[(size_t)r * K + j] = (int8_t)k;
+                e = std::max(e, std::fabs((double)wv - (double)s * k));
+            }
+            hs[r] = s;
+            hc[r] = std::nextafter((float)((e + gamma * (127.0 * s + m)) * (1.0 + 1e-6)), INFINITY);
+        }
+        __nv_bfloat16 *dw;
+        int8_t *dq;
+        float *ds, *dc, *dx, *dy, *dpv;
+        int *dpi, *dout, *dfloor, *dcount;
+        Entry *dlist;
+        CHECK(cudaMalloc(&dw, hw.size() * 2));
+        CHECK(cudaMalloc(&dq, hq.size()));
+        CHECK(cudaMalloc(&ds, V * 4));
+        CHECK(cudaMalloc(&dc, V * 4));
+        CHECK(cudaMalloc(&dx, K * 4));
+        CHECK(cudaMalloc(&dy, V * 4));
+        CHECK(cudaMalloc(&dpv, PARTS * 4));
+        CHECK(cudaMalloc(&dpi, PARTS * 4));
+        CHECK(cudaMalloc(&dout, 2 * 4));
+        CHECK(cudaMalloc(&dfloor, 4));
+        CHECK(cudaMalloc(&dcount, 4));
+        CHECK(cudaMalloc(&dlist, (size_t)V * sizeof(Entry)));
+        CHECK(cudaMemcpy(dw, hw.data(), hw.size() * 2, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(dq, hq.data(), hq.size(), cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(ds, hs.data(), V * 4, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(dc, hc.data(), V * 4, cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpy(dx, hx.data(), K * 4, cudaMemcpyHostToDevice));
+        const int blocks = (V + WARPS * ROWS - 1) / (WARPS * ROWS);
+        const int chunk = (V + PARTS - 1) / PARTS, parts = (V + chunk - 1) / chunk;
+        auto full = [&] {
+            gemv_bf16<<<blocks, WARPS * 32>>>(dw, dx, dy, V, K);
+            argmax_partial<<<parts, 256>>>(dy, V, chunk, dpv, dpi);
+            argmax_final<<<1, 1024>>>(dpv, dpi, parts, dout);
+        };
+        auto screened = [&] {
+            reset<<<1, 1>>>(dfloor, dcount);
+            screen<<<blocks, WARPS * 32>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+            pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+        };
+        // Each timed pass after an L2 eviction; the median of 20.
+        auto timed = [&](auto pass) {
+            cudaEvent_t a, b;
+            CHECK(cudaEventCreate(&a));
+            CHECK(cudaEventCreate(&b));
+            std::vector<float> t;
+            for (int i = 0; i < 21; ++i) {
+                CHECK(cudaMemsetAsync(flush, i, FLUSH));
+                CHECK(cudaEventRecord(a));
+                pass();
+                CHECK(cudaEventRecord(b));
+                CHECK(cudaEventSynchronize(b));
+                float ms;
+                CHECK(cudaEventElapsedTime(&ms, a, b));
+                if (i > 0) t.push_back(ms * 1e3f);
+            }
+            CHECK(cudaGetLastError());
+            std::sort(t.begin(), t.end());
+            return t[t.size() / 2];
+        };
+        const float tf = timed(full), ts = timed(screened);
+        int tok[2], cnt;
+        CHECK(cudaMemcpy(tok, dout, 8, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(&cnt, dcount, 4, cudaMemcpyDeviceToHost));
+        std::vector<Entry> hl(std::min(cnt, V));
+        int fo;
+        CHECK(cudaMemcpy(&fo, dfloor, 4, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(hl.data(), dlist, hl.size() * sizeof(Entry), cudaMemcpyDeviceToHost));
+        const int fb = fo >= 0 ? fo : fo ^ 0x7fffffff;
+        float fl;
+        std::memcpy(&fl, &fb, 4);
+        const long kept = std::count_if(hl.begin(), hl.end(), [&](const Entry &e) { return e.upper >= fl; });
+        std::printf("%-13s %6d x %4d: full (bf16 GEMV %.0f MB + 2 argmax kernels) %.2f us, screened (int8 %.0f MB + pick) %.2f us "
+                    "(%.2fx); tokens %d / %d%s; list %d, kept %ld\n",
+                    sh.name, V, K, (double)V * K * 2 / 1e6, tf, (double)V * K / 1e6, ts, tf / ts, tok[0], tok[1],
+                    tok[0] == tok[1] ? "" : " (DIFFER)", cnt, kept);
+        CHECK(cudaFree(dw));
+        CHECK(cudaFree(dq));
+        CHECK(cudaFree(ds));
+        CHECK(cudaFree(dc));
+        CHECK(cudaFree(dx));
+        CHECK(cudaFree(dy));
+        CHECK(cudaFree(dpv));
+        CHECK(cudaFree(dpi));
+        CHECK(cudaFree(dout));
+        CHECK(cudaFree(dfloor));
+        CHECK(cudaFree(dcount));
+        CHECK(cudaFree(dlist));
+    }
+    return 0;
+}
