@@ -18,6 +18,13 @@
 // Before every timed pass a 256 MiB memset evicts the L2 (a decode step reads the other
 // weights between two heads). Printed: the median of 20 passes of each, the token of each
 // (they must agree), the candidates kept and the list's length.
+//
+// Call 15 (session 33) measured the first form (2 rows a warp, every warp summing ||x||_1,
+// shift + I2F conversions): 1.20x at 1B, 1.32x at 8B, 0.87x at 135M (docs/bench/
+// 2026-12-02-session33/call15-screened-head.txt). main() now runs that form, as the template
+// instance screen<2, false>, and three faster forms (FAST: ||x||_1 once a block, the byte
+// permute conversion; 2, 4 and 8 rows a warp), prepared after the session's device time was
+// spent: compiled (nvcc 13.0.88, no spills), not yet run.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -118,34 +125,63 @@ struct Entry {
     float logit, upper;
     int row, pad;
 };
-// Screened head: ROWS rows a warp over the int8 copy (16 weights a 16-byte chunk).
+// Screened head: SR rows a warp over the int8 copy (16 weights a 16-byte chunk). FAST (call
+// 16): ||x||_1 once a block (in shared memory, summed while the warps stream) instead of by
+// every warp, and each int8 weight turned into a float by a byte permute and one subtraction
+// (the byte, offset by 128, in the low mantissa bits of 2^23: exact) instead of a shift and
+// an integer-to-float conversion (a quarter-rate instruction).
+__device__ __forceinline__ float i8f(int w, int t) {
+    // [byte t of w ^ 0x80, 0x00, 0x00, 0x4B]: the float 2^23 + (b + 128); minus 2^23 + 128 = b.
+    return __int_as_float(__byte_perm(w ^ 0x80808080, 0x4B000000, (unsigned)t | 0x7540u)) - 8388736.0f;
+}
+template <int SR, bool FAST>
 __global__ void __launch_bounds__(WARPS * 32)
     screen(const int8_t *q, const float *scale, const float *coef, const __nv_bfloat16 *w, const float *x, int V, int K, int *floor_ord,
            Entry *list, int *count) {
-    const int lane = threadIdx.x & 31, r0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (r0 >= V) return;
+    __shared__ float s_l1[WARPS];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, r0 = (blockIdx.x * WARPS + wid) * SR;
     const float4 *x4 = reinterpret_cast<const float4 *>(x);
-    // ||x||_1 (every warp; x is in the L2), and the dot products.
-    float l1 = 0.0f, acc[ROWS] = {};
+    float l1 = 0.0f;
+    if (FAST) {
+        // This warp's share of ||x||_1 (chunks wid, wid + WARPS, ...), summed over the block below.
+        for (int c = wid * 32 + lane; c < K / 4; c += WARPS * 32) {
+            const float4 a = __ldg(x4 + c);
+            l1 += fabsf(a.x) + fabsf(a.y) + fabsf(a.z) + fabsf(a.w);
+        }
+        l1 = warp_sum32(l1);
+        if (lane == 0) s_l1[wid] = l1;
+        __syncthreads();
+        l1 = 0.0f;
+        for (int i = 0; i < WARPS; ++i) l1 += s_l1[i];
+    }
+    if (r0 >= V) return;
+    float acc[SR] = {};
     for (int c = lane; c < K / 16; c += 32) {
         const float4 a = __ldg(x4 + 4 * c), b = __ldg(x4 + 4 * c + 1), d = __ldg(x4 + 4 * c + 2), e = __ldg(x4 + 4 * c + 3);
         const float xs[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x, d.y, d.z, d.w, e.x, e.y, e.z, e.w};
+        if (!FAST) {
 #pragma unroll
-        for (int t = 0; t < 16; ++t) l1 += fabsf(xs[t]);
+            for (int t = 0; t < 16; ++t) l1 += fabsf(xs[t]);
+        }
+        int4 v[SR];
 #pragma unroll
-        for (int j = 0; j < ROWS; ++j) {
-            if (r0 + j >= V) continue;
-            const int4 v = __ldg(reinterpret_cast<const int4 *>(q + (size_t)(r0 + j) * K) + c);
-            const int ws[4] = {v.x, v.y, v.z, v.w};
+        for (int j = 0; j < SR; ++j) v[j] = r0 + j < V ? __ldg(reinterpret_cast<const int4 *>(q + (size_t)(r0 + j) * K) + c) : make_int4(0, 0, 0, 0);
 #pragma unroll
-            for (int t = 0; t < 16; ++t) acc[j] = fmaf((float)(int8_t)(ws[t / 4] >> (8 * (t % 4))), xs[t], acc[j]);
+        for (int j = 0; j < SR; ++j) {
+            const int ws[4] = {v[j].x, v[j].y, v[j].z, v[j].w};
+#pragma unroll
+            for (int t = 0; t < 16; ++t) {
+                const float qf = FAST ? i8f(ws[t / 4], t % 4) : (float)(int8_t)(ws[t / 4] >> (8 * (t % 4)));
+                acc[j] = fmaf(qf, xs[t], acc[j]);
+            }
         }
     }
-    l1 = warp_sum32(l1) * (1.0f + 2.0f * K * U);  // f32 sum of K terms, enlarged past its rounding
+    if (!FAST) l1 = warp_sum32(l1);
+    l1 *= 1.0f + 2.0f * K * U;  // an f32 sum of K terms, enlarged past its rounding
     const float tiny = (K + 2) * 1.401298464e-45f;
-    float s[ROWS], b[ROWS], lo = -INFINITY;
+    float s[SR], b[SR], lo = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
+    for (int j = 0; j < SR; ++j) {
         s[j] = warp_sum32(acc[j]) * (r0 + j < V ? scale[r0 + j] : 0.0f);
         b[j] = r0 + j < V ? (coef[r0 + j] * l1 + U * fabsf(s[j]) + tiny) * (1.0f + 4.0f * U) : INFINITY;
         if (r0 + j < V) lo = fmaxf(lo, s[j] - b[j]);
@@ -156,7 +192,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (lane == 0) f = max(atomicMax(floor_ord, ord(lo)), ord(lo));
     const float fl = unord(__shfl_sync(0xffffffffu, f, 0));
 #pragma unroll
-    for (int j = 0; j < ROWS; ++j) {
+    for (int j = 0; j < SR; ++j) {
         if (r0 + j >= V || s[j] + b[j] < fl) continue;
         const float l = exact_row(w, x, K, r0 + j, lane);
         if (lane == 0) {
@@ -241,17 +277,20 @@ int main() {
         CHECK(cudaMemcpy(ds, hs.data(), V * 4, cudaMemcpyHostToDevice));
         CHECK(cudaMemcpy(dc, hc.data(), V * 4, cudaMemcpyHostToDevice));
         CHECK(cudaMemcpy(dx, hx.data(), K * 4, cudaMemcpyHostToDevice));
-        const int blocks = (V + WARPS * ROWS - 1) / (WARPS * ROWS);
+        const int blocks = (V + WARPS * ROWS - 1) / (WARPS * ROWS);  // the full head's GEMV
         const int chunk = (V + PARTS - 1) / PARTS, parts = (V + chunk - 1) / chunk;
         auto full = [&] {
             gemv_bf16<<<blocks, WARPS * 32>>>(dw, dx, dy, V, K);
             argmax_partial<<<parts, 256>>>(dy, V, chunk, dpv, dpi);
             argmax_final<<<1, 1024>>>(dpv, dpi, parts, dout);
         };
-        auto screened = [&] {
-            reset<<<1, 1>>>(dfloor, dcount);
-            screen<<<blocks, WARPS * 32>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
-            pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+        // A screened form: its kernel and rows a warp.
+        auto screened_with = [&](auto kern, int sr) {
+            return [=] {
+                reset<<<1, 1>>>(dfloor, dcount);
+                kern<<<(V + WARPS * sr - 1) / (WARPS * sr), WARPS * 32>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+            };
         };
         // Each timed pass after an L2 eviction; the median of 20.
         auto timed = [&](auto pass) {
@@ -273,22 +312,31 @@ int main() {
             std::sort(t.begin(), t.end());
             return t[t.size() / 2];
         };
-        const float tf = timed(full), ts = timed(screened);
-        int tok[2], cnt;
-        CHECK(cudaMemcpy(tok, dout, 8, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(&cnt, dcount, 4, cudaMemcpyDeviceToHost));
-        std::vector<Entry> hl(std::min(cnt, V));
-        int fo;
-        CHECK(cudaMemcpy(&fo, dfloor, 4, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hl.data(), dlist, hl.size() * sizeof(Entry), cudaMemcpyDeviceToHost));
-        const int fb = fo >= 0 ? fo : fo ^ 0x7fffffff;
-        float fl;
-        std::memcpy(&fl, &fb, 4);
-        const long kept = std::count_if(hl.begin(), hl.end(), [&](const Entry &e) { return e.upper >= fl; });
-        std::printf("%-13s %6d x %4d: full (bf16 GEMV %.0f MB + 2 argmax kernels) %.2f us, screened (int8 %.0f MB + pick) %.2f us "
-                    "(%.2fx); tokens %d / %d%s; list %d, kept %ld\n",
-                    sh.name, V, K, (double)V * K * 2 / 1e6, tf, (double)V * K / 1e6, ts, tf / ts, tok[0], tok[1],
-                    tok[0] == tok[1] ? "" : " (DIFFER)", cnt, kept);
+        const float tf = timed(full);
+        int tok0;
+        CHECK(cudaMemcpy(&tok0, dout, 4, cudaMemcpyDeviceToHost));
+        std::printf("%-13s %6d x %4d: full (bf16 GEMV %.0f MB + 2 argmax kernels) %.2f us, token %d\n", sh.name, V, K,
+                    (double)V * K * 2 / 1e6, tf, tok0);
+        // Call 15's form (2 rows a warp, ||x||_1 by every warp, shift + I2F), then call 16's.
+        auto report = [&](const char *what, auto pass) {
+            const float ts = timed(pass);
+            int tok, cnt, fo;
+            CHECK(cudaMemcpy(&tok, dout + 1, 4, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(&cnt, dcount, 4, cudaMemcpyDeviceToHost));
+            CHECK(cudaMemcpy(&fo, dfloor, 4, cudaMemcpyDeviceToHost));
+            std::vector<Entry> hl(std::min(cnt, V));
+            CHECK(cudaMemcpy(hl.data(), dlist, hl.size() * sizeof(Entry), cudaMemcpyDeviceToHost));
+            const int fb = fo >= 0 ? fo : fo ^ 0x7fffffff;
+            float fl;
+            std::memcpy(&fl, &fb, 4);
+            const long kept = std::count_if(hl.begin(), hl.end(), [&](const Entry &e) { return e.upper >= fl; });
+            std::printf("   screened, %-34s %.2f us (%.2fx, int8 %.0f MB at %.2f TB/s); token %d%s; list %d, kept %ld\n", what, ts, tf / ts,
+                        (double)V * K / 1e6, (double)V * K / (ts * 1e-6) / 1e12, tok, tok == tok0 ? "" : " (DIFFERS)", cnt, kept);
+        };
+        report("2 rows a warp (call 15's form):", screened_with(screen<2, false>, 2));
+        report("2 rows a warp, fast:", screened_with(screen<2, true>, 2));
+        report("4 rows a warp, fast:", screened_with(screen<4, true>, 4));
+        report("8 rows a warp, fast:", screened_with(screen<8, true>, 8));
         CHECK(cudaFree(dw));
         CHECK(cudaFree(dq));
         CHECK(cudaFree(ds));
