@@ -218,8 +218,11 @@ impl CpuModel {
     /// Runs `tokens` at positions `cache.len()..`, reducing partial sums through `reducer`;
     /// returns the logits of the last token (`[V]`, f32). On error the cache is unchanged.
     pub fn forward_with(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Vec<f32>> {
-        let logits = self.forward_hidden(cache, tokens, reducer)?;
-        Ok(logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        let (last, len) = self.forward_last(cache, tokens, reducer)?;
+        let logits = self.lm_head.forward(&last)?; // [1, V]
+        let logits = logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        cache.len = len; // only once nothing more can fail
+        Ok(logits)
     }
 
     /// Runs `tokens` at positions `cache.len()..` like [`forward_with`](Self::forward_with)
@@ -227,8 +230,10 @@ impl CpuModel {
     /// LM head's input, for analyses of the head (such as [`crate::screen`]). On error the
     /// cache is unchanged.
     pub fn forward_normed(&self, cache: &mut KvCache, tokens: &[u32]) -> Result<Vec<f32>> {
-        let last = self.forward_last(cache, tokens, &mut NoReduce)?;
-        Ok(last.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+        let (last, len) = self.forward_last(cache, tokens, &mut NoReduce)?;
+        let x = last.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+        cache.len = len;
+        Ok(x)
     }
 
     fn check_input(&self, cache: &KvCache, tokens: &[u32]) -> Result<()> {
@@ -248,13 +253,10 @@ impl CpuModel {
         Ok(())
     }
 
-    fn forward_hidden(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Tensor> {
-        let last = self.forward_last(cache, tokens, reducer)?;
-        self.lm_head.forward(&last) // [1, V]
-    }
-
-    /// The layers and the final RMSNorm: the last token's normed hidden state, `[1, D]`.
-    fn forward_last(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<Tensor> {
+    /// The layers and the final RMSNorm: the last token's normed hidden state (`[1, D]`) and
+    /// the cache's length after the tokens, which the caller sets once nothing more can fail
+    /// (the tokens' K/V rows are written at positions the length does not yet cover).
+    fn forward_last(&self, cache: &mut KvCache, tokens: &[u32], reducer: &mut dyn Reducer) -> Result<(Tensor, usize)> {
         self.check_input(cache, tokens)?;
         let cfg = &self.config;
         let (t, start) = (tokens.len(), cache.len);
@@ -327,8 +329,7 @@ impl CpuModel {
             let down = reducer.all_reduce(linear(&(gate * up)?, &l.down, None)?)?; // [T, D]
             x = (x + down)?;
         }
-        cache.len = s;
         let last = x.narrow(0, t - 1, 1)?; // [1, D]
-        rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)
+        Ok((rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)?, s))
     }
 }
