@@ -21,6 +21,24 @@
 //! otherwise two candidates whose logits differ by less than f32 rounding may be ordered
 //! differently, as they may between any two orders of one dot product.
 //!
+//! ```
+//! use ferrum_runner::sampling::argmax;
+//! use ferrum_runner::screen::{argmax_among, ScreenedHead};
+//!
+//! let (rows, cols) = (1000, 64);
+//! let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1009) as f32 - 504.0) * 1e-4).collect();
+//! let x: Vec<f32> = (0..cols).map(|j| (j as f32 * 0.37).sin()).collect();
+//! let logit = |i: u32| w[i as usize * cols..][..cols].iter().zip(&x).map(|(a, b)| a * b).sum::<f32>();
+//!
+//! let head = ScreenedHead::new(&w, rows, cols, 8)?; // once, at load
+//! let candidates = head.candidates(&x)?.expect("a finite input");
+//! let token = argmax_among(&candidates, logit).unwrap(); // exact logits of the candidates only
+//! let full: Vec<f32> = (0..rows as u32).map(logit).collect();
+//! assert_eq!(token, argmax(&full));
+//! assert!(candidates.len() < rows / 10);
+//! # Ok::<(), ferrum_runner::error::Error>(())
+//! ```
+//!
 //! ## The bound
 //! Row `i` of `W` (`K` columns) is stored as `q_ij` in `[-Q, Q]` (`Q` = 127 or 7) with scale
 //! `s_i = max_j |w_ij| / Q`, `q_ij = round(w_ij / s_i)`; `e_i = max_j |w_ij − s_i q_ij|` is
