@@ -294,23 +294,8 @@ int main() {
         };
         // Each timed pass after an L2 eviction; the median of 20.
         auto timed = [&](auto pass) {
-            cudaEvent_t a, b;
-            CHECK(cudaEventCreate(&a));
-            CHECK(cudaEventCreate(&b));
-            std::vector<float> t;
-            for (int i = 0; i < 21; ++i) {
-                CHECK(cudaMemsetAsync(flush, i, FLUSH));
-                CHECK(cudaEventRecord(a));
-                pass();
-                CHECK(cudaEventRecord(b));
-                CHECK(cudaEventSynchronize(b));
-                float ms;
-                CHECK(cudaEventElapsedTime(&ms, a, b));
-                if (i > 0) t.push_back(ms * 1e3f);
-            }
-            CHECK(cudaGetLastError());
-            std::sort(t.begin(), t.end());
-            return t[t.size() / 2];
+            int i = 0;
+            return 1e3f * median_ms(pass, 20, [&] { CHECK(cudaMemsetAsync(flush, i++, FLUSH)); });
         };
         const float tf = timed(full);
         int tok0;

@@ -10,13 +10,15 @@
 #include "check.cuh"
 
 // The median of `reps` timed calls of `launch` (after one untimed warm-up call), in ms: events
-// recorded on the default stream around each call.
-template <typename F> float median_ms(F launch, int reps = 7) {
+// recorded on the default stream around each call; `before()` is enqueued ahead of each call,
+// outside the timed span (an L2 eviction, say).
+template <typename F, typename B> float median_ms(F launch, int reps, B before) {
     cudaEvent_t a, b;
     CHECK(cudaEventCreate(&a));
     CHECK(cudaEventCreate(&b));
     std::vector<float> t;
     for (int r = 0; r <= reps; ++r) {
+        before();
         CHECK(cudaEventRecord(a));
         launch();
         CHECK(cudaEventRecord(b));
@@ -30,6 +32,9 @@ template <typename F> float median_ms(F launch, int reps = 7) {
     CHECK(cudaEventDestroy(b));
     std::sort(t.begin(), t.end());
     return t[t.size() / 2];
+}
+template <typename F> float median_ms(F launch, int reps = 7) {
+    return median_ms(launch, reps, [] {});
 }
 
 // A launch of `blocks` blocks of `threads` threads with `smem` bytes of dynamic shared memory,
