@@ -189,3 +189,29 @@ __device__ __forceinline__ float block_sum(float v, float *sh) {
     __syncthreads();
     return r;
 }
+
+// A 16-byte load issued before the programmatic-launch wait. Two traps keep a plain __ldg
+// from doing that: the compiler may sink an invariant (.nc) load to its use, past the wait,
+// and ptxas (13.0) schedules griddepcontrol.wait (SASS ACQBULK) ahead of .nc loads even when
+// the PTX has them first; it keeps ordinary weak loads where they are. So this is an asm
+// volatile weak load (not allocated in L1: weights are streamed once). Checked in the SASS:
+// the LDG.E.NA.128 of the prefetch come before ACQBULK.
+__device__ __forceinline__ uint4 ldg_early(const uint4 *p) {
+    uint4 v;
+    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// gemv.cu's row sums (and misc.cu's exact rows of the screened head, which repeat them).
+// LPR: lanes per row group (32, or 16 / 8 for short rows: a warp then holds 32 / LPR row
+// groups side by side, lane l in group l / LPR taking chunks l % LPR + LPR k, and the sums go
+// over the group's lanes only). With LPR = 32 the code is the original one. LPR < 32 is for
+// ks == 1 only (the host's choice, plan::gemv_lanes_per_row): the split-K slots hold one sum
+// per warp.
+template <int LPR> __device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}

@@ -67,20 +67,6 @@ __device__ __forceinline__ void gemv_chunk(float (&acc)[ROWS], float &ss, const 
     }
 }
 
-// A 16-byte load issued before the programmatic-launch wait. Two traps keep a plain __ldg
-// from doing that: the compiler may sink an invariant (.nc) load to its use, past the wait,
-// and ptxas (13.0) schedules griddepcontrol.wait (SASS ACQBULK) ahead of .nc loads even when
-// the PTX has them first; it keeps ordinary weak loads where they are. So this is an asm
-// volatile weak load (not allocated in L1: weights are streamed once). Checked in the SASS:
-// the LDG.E.NA.128 of the prefetch come before ACQBULK.
-__device__ __forceinline__ uint4 ldg_early(const uint4 *p) {
-    uint4 v;
-    asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // RES: one fp32 value of the residual stream y, loaded before the programmatic-launch wait. An
 // L2 load (.cg: an SM's L1 may still hold the line from a kernel that read it before it was
 // last written) in asm volatile, so that it stays ahead of the wait (see ldg_early).
@@ -107,17 +93,6 @@ template <int ROWS> struct GemvPrefetch {
 // Block shape limits of the split-K layout: (32 * groups, ks) threads, groups * ks <= 8.
 #define GEMV_MAX_GROUPS 8
 #define GEMV_MAX_KS 8
-
-// LPR: lanes per row group (32, or 16 / 8 for short rows: a warp then holds 32 / LPR row
-// groups side by side, lane l in group l / LPR taking chunks l % LPR + LPR k, and the sums go
-// over the group's lanes only). With LPR = 32 the code is the original one. LPR < 32 is for
-// ks == 1 only (the host's choice, plan::gemv_lanes_per_row): the split-K slots hold one sum
-// per warp.
-template <int LPR> __device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int o = LPR / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false, int LPR = 32>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,

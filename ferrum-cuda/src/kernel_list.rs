@@ -147,6 +147,17 @@ kernels! {
     ArgmaxFinal => "ferrum_argmax_final" in "misc",
     /// Argmax under a TP vocab split: the best of the ranks' candidates.
     ArgmaxPick => "ferrum_argmax_pick" in "misc",
+    /// The screened LM head (misc.cu): the int8 copy of the head, made once.
+    HeadQuantizeF16 => "ferrum_head_quantize_f16" in "misc",
+    HeadQuantizeBf16 => "ferrum_head_quantize_bf16" in "misc",
+    /// The screened LM head's screen: brackets every row's logit, re-reads the rows that may
+    /// hold the argmax (plain input, or RMSNorm fused on the way in).
+    HeadScreenF16 => "ferrum_head_screen_f16" in "misc",
+    HeadScreenBf16 => "ferrum_head_screen_bf16" in "misc",
+    HeadScreenNormF16 => "ferrum_head_screen_norm_f16" in "misc",
+    HeadScreenNormBf16 => "ferrum_head_screen_norm_bf16" in "misc",
+    /// The screened LM head's pick: the best re-read row becomes the token.
+    HeadPick => "ferrum_head_pick" in "misc",
     /// Hash-based uniform init (synthetic weights).
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",

@@ -343,6 +343,13 @@ impl CudaTpBackend {
         .map(|_| ())
     }
 
+    /// The screened LM head of greedy device-fed steps on every rank
+    /// (`CudaDecodeRunner::set_screened_head`; with the vocab split, each rank screens its
+    /// share).
+    pub fn set_screened_head(&mut self, on: bool) -> Result<()> {
+        self.on_ranks(move |w, _| w.rank.runner().set_screened_head(on).map_err(cuda_error)).map(|_| ())
+    }
+
     /// Device-fed steps per captured graph on every rank (see
     /// `CudaDecodeRunner::set_steps_per_graph`; default `FERRUM_GRAPH_STEPS` or 1),
     /// 1..=`ferrum_cuda::plan::MAX_GRAPH_STEPS`. A value out of range is refused here, before

@@ -291,6 +291,149 @@ fn cfg_untied() -> ModelConfig {
 // Two GPUs
 // ---------------------------------------------------------------------------------------------
 
+/// `w` with its (untied) LM head rewritten by `edit` (rows of `hidden` f32).
+fn edit_head(mut w: ModelWeights, edit: impl Fn(&mut [Vec<f32>])) -> ModelWeights {
+    let t = w.lm_head.to_dense(DType::F32).unwrap();
+    let mut rows: Vec<Vec<f32>> = t.to_vec2().unwrap();
+    edit(&mut rows);
+    let (v, h) = (rows.len(), rows[0].len());
+    let flat: Vec<f32> = rows.into_iter().flatten().collect();
+    w.lm_head = Linear::Dense(candle_core::Tensor::from_vec(flat, (v, h), &candle_core::Device::Cpu).unwrap());
+    w
+}
+
+/// Greedy device tokens with the screened head off, then on, on the same runner (the graphs are
+/// captured again after the switch); the two token lists.
+fn screened_pair(b: &mut CudaBackend, p: &[u32], steps: usize, capacity: usize) -> (Vec<u32>, Vec<u32>) {
+    b.runner().set_screened_head(false).unwrap();
+    let full = device_tokens(b, p, steps, capacity, DeviceSampling::Greedy);
+    b.runner().set_screened_head(true).unwrap();
+    assert!(b.runner().screened_head());
+    let screened = device_tokens(b, p, steps, capacity, DeviceSampling::Greedy);
+    (full, screened)
+}
+
+/// The screened LM head (`CudaDecodeRunner::set_screened_head`: an int8 copy brackets every
+/// row's logit, the rows that may win are re-read by the head GEMV's own arithmetic) picks the
+/// full head's greedy token at every step, bit for bit, on every architecture, tied and untied
+/// heads (vocabularies of 1000 and 1001: a partial last block), both dtypes and the three
+/// decode paths (fused, the tensor-core attention, every fusion off: the screen then reads the
+/// normed input instead of fusing the final norm). Sampled steps keep the full head (the same
+/// draws with the switch on), and the logits of a greedy screened step are not needed by it.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn screened_head_picks_the_full_heads_greedy_tokens() {
+    init();
+    let paths =
+        [("fused", 200, Fusion::ALL), ("tensor-core attention", 1100, Fusion::ALL), ("unfused", 200, Fusion::NONE)];
+    for arch in ARCHS {
+        for (tied, vocab) in [(true, 1000), (false, 1001)] {
+            let mut cfg = config(arch, tied, 2);
+            cfg.vocab_size = vocab;
+            let w = weights(&cfg, 21);
+            let p = prompt(40, vocab, 5);
+            for dtype in [BF16, ferrum_cuda::DType::F16] {
+                let mut b = CudaBackend::new(build_runner(&w, dtype, 0, &mut |_, _| {}).unwrap());
+                for (path, capacity, fusion) in paths {
+                    b.runner().set_fusion(fusion);
+                    let (full, screened) = screened_pair(&mut b, &p, 64, capacity);
+                    assert_eq!(screened, full, "{arch:?} tied={tied} {dtype:?} {path}: greedy tokens");
+                    let t = DeviceSampling::Temperature { temperature: 1.0, seed: 7 };
+                    let sampled_on = device_tokens(&mut b, &p, 32, capacity, t);
+                    b.runner().set_screened_head(false).unwrap();
+                    let sampled_off = device_tokens(&mut b, &p, 32, capacity, t);
+                    assert_eq!(sampled_on, sampled_off, "{arch:?} tied={tied} {dtype:?} {path}: sampled tokens");
+                }
+                println!("{arch:?} tied={tied} vocab {vocab} {dtype:?}: screened = full head on 3 paths (64 greedy tokens each)");
+            }
+        }
+    }
+}
+
+/// The screened head on heads built to break it: exact ties (every row twice: the smaller row
+/// must win), rows with an infinite or a NaN weight (always re-read; NaN never wins), rows of
+/// zeros, a peaked head (margins far above rounding) and one so large that logits overflow
+/// (no bound: every row is re-read). Same tokens as the full head, both dtypes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn screened_head_matches_the_full_head_on_adversarial_heads() {
+    init();
+    let mut cfg = config(Arch::Llama, false, 2);
+    cfg.vocab_size = 1001;
+    let base = weights(&cfg, 33);
+    let p = prompt(40, cfg.vocab_size, 9);
+    type Edit = fn(&mut [Vec<f32>]);
+    let heads: [(&str, Edit); 5] = [
+        ("ties", |r| {
+            for i in (0..r.len() - 1).step_by(2) {
+                r[i + 1] = r[i].clone();
+            }
+        }),
+        ("non-finite rows", |r| {
+            r[500][3] = f32::INFINITY;
+            r[600][7] = f32::NAN;
+            r[601][0] = f32::NEG_INFINITY;
+        }),
+        ("zero rows", |r| r[..100].iter_mut().for_each(|row| row.fill(0.0))),
+        ("peaked", |r| r.iter_mut().flatten().for_each(|v| *v *= 50.0)),
+        ("overflowing", |r| r.iter_mut().flatten().for_each(|v| *v *= 1e36)),
+    ];
+    for (name, edit) in heads {
+        let w = edit_head(base.clone(), edit);
+        for dtype in [BF16, ferrum_cuda::DType::F16] {
+            // f16 holds the overflowing head as infinities: still a valid (if odd) head.
+            let mut b = CudaBackend::new(build_runner(&w, dtype, 0, &mut |_, _| {}).unwrap());
+            let (full, screened) = screened_pair(&mut b, &p, 48, 200);
+            assert_eq!(screened, full, "{name} {dtype:?}: greedy tokens");
+            if name == "ties" {
+                assert!(full.iter().all(|t| t % 2 == 0), "{name}: a tie goes to the smaller row: {full:?}");
+            }
+            println!("{name} {dtype:?}: screened = full head (48 greedy tokens)");
+        }
+    }
+}
+
+/// The screened head on the shapes the bench decodes (random weights made on the device):
+/// SmolLM2-135M (a 49152 x 576 head: the short-row GEMV, 8 or 16 lanes a row) and
+/// Llama-3.2-1B (128256 x 2048), bf16: the same greedy tokens as the full head.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn screened_head_matches_the_full_head_at_real_shapes() {
+    init();
+    for name in ["smollm2-135m", "llama3.2-1b"] {
+        let cfg = ferrum_runner::synthetic::named_config(name).unwrap();
+        let mut g = synthetic_group(&cfg, 0, 1, BF16, 17).unwrap();
+        let p = prompt(64, cfg.vocab_size, 2);
+        let full = device_tokens(&mut g, &p, 64, 256, DeviceSampling::Greedy);
+        g.set_screened_head(true).unwrap();
+        let screened = device_tokens(&mut g, &p, 64, 256, DeviceSampling::Greedy);
+        assert_eq!(screened, full, "{name}: greedy tokens");
+        println!("{name}: screened = full head (64 greedy tokens)");
+    }
+}
+
+/// With the vocab split, each rank screens its own rows and the ranks exchange their
+/// candidates as the argmax's do: the same tokens as the full head, even and odd vocabularies.
+#[test]
+#[ignore = "needs two CUDA GPUs"]
+fn tp2_screened_head_with_the_vocab_split_matches_the_full_head() {
+    init();
+    for arch in [Arch::Llama, Arch::Qwen3] {
+        for (tied, vocab) in [(true, 1000), (false, 1001)] {
+            let mut cfg = config(arch, tied, 3);
+            cfg.vocab_size = vocab;
+            let p = prompt(30, vocab, 3);
+            let opts = TpOptions { all_reduce: AllReduce::Auto, vocab_split: true, fusion: None };
+            let mut g = synthetic_group_opts(&cfg, 0, 2, BF16, 13, opts).unwrap();
+            let full = device_tokens(&mut g, &p, 48, 128, DeviceSampling::Greedy);
+            g.set_screened_head(true).unwrap();
+            let screened = device_tokens(&mut g, &p, 48, 128, DeviceSampling::Greedy);
+            assert_eq!(screened, full, "{arch:?} tied={tied} vocab {vocab}: greedy tokens");
+            println!("{arch:?} tied={tied} vocab {vocab}: TP2 screened = full head (48 greedy tokens)");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs two CUDA GPUs"]
 fn tp2_matches_tp1_every_arch() {

@@ -201,6 +201,79 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
     }
 }
+// The engine's form (session 34): a persistent grid (a few blocks a multiprocessor), the input in
+// shared memory once a block with its ||x||_1 (summed rounding up: an upper bound with no slack
+// factor), each warp SR rows at a time, CH chunks a lane loaded before any is used (SR * CH
+// 16-byte loads in flight a lane), the bound in round-up arithmetic.
+template <int SR, int CH>
+__global__ void __launch_bounds__(WARPS * 32)
+    screen_persist(const int8_t *q, const float *scale, const float *coef, const __nv_bfloat16 *w, const float *x, int V, int K,
+                   int *floor_ord, Entry *list, int *count) {
+    extern __shared__ float xs_s[];
+    __shared__ float s_l1[WARPS];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    float l1 = 0.0f;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) {
+        const float v = __ldg(x + c);
+        xs_s[c] = v;
+        l1 = __fadd_ru(l1, fabsf(v));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l1 = __fadd_ru(l1, __shfl_xor_sync(0xffffffffu, l1, o));
+    if (lane == 0) s_l1[wid] = l1;
+    __syncthreads();
+    l1 = 0.0f;
+    for (int i = 0; i < WARPS; ++i) l1 = __fadd_ru(l1, s_l1[i]);
+    const float tiny = (K + 2) * 1.401298464e-45f;
+    const int n16 = K / 16, groups = (V + SR - 1) / SR;
+    const float4 *x4 = reinterpret_cast<const float4 *>(xs_s);
+    for (int g = blockIdx.x * WARPS + wid; g < groups; g += gridDim.x * WARPS) {
+        const int r0 = g * SR;
+        float acc[SR] = {};
+        for (int c0 = lane; c0 < n16; c0 += 32 * CH) {
+            int4 v[CH][SR];
+#pragma unroll
+            for (int h = 0; h < CH; ++h)
+#pragma unroll
+                for (int j = 0; j < SR; ++j)
+                    v[h][j] = r0 + j < V && c0 + 32 * h < n16 ? __ldg(reinterpret_cast<const int4 *>(q + (size_t)(r0 + j) * K) + c0 + 32 * h)
+                                                               : make_int4(0, 0, 0, 0);
+#pragma unroll
+            for (int h = 0; h < CH; ++h) {
+                const int c = c0 + 32 * h;
+                if (c >= n16) break;
+                const float4 a = x4[4 * c], b = x4[4 * c + 1], d = x4[4 * c + 2], e = x4[4 * c + 3];
+                const float xv[16] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x, d.y, d.z, d.w, e.x, e.y, e.z, e.w};
+#pragma unroll
+                for (int j = 0; j < SR; ++j) {
+                    const int ws[4] = {v[h][j].x, v[h][j].y, v[h][j].z, v[h][j].w};
+#pragma unroll
+                    for (int t = 0; t < 16; ++t) acc[j] = fmaf(i8f(ws[t / 4], t % 4), xv[t], acc[j]);
+                }
+            }
+        }
+        float s[SR], up[SR], lo = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < SR; ++j) {
+            s[j] = warp_sum32(acc[j]) * (r0 + j < V ? scale[r0 + j] : 0.0f);
+            const float b = r0 + j < V ? __fadd_ru(__fadd_ru(__fmul_ru(coef[r0 + j], l1), __fmul_ru(U, fabsf(s[j]))), tiny) : INFINITY;
+            up[j] = __fadd_ru(s[j], b);
+            if (r0 + j < V) lo = fmaxf(lo, __fsub_rd(s[j], b));
+        }
+        int f = 0;
+        if (lane == 0) f = max(atomicMax(floor_ord, ord(lo)), ord(lo));
+        const float fl = unord(__shfl_sync(0xffffffffu, f, 0));
+#pragma unroll
+        for (int j = 0; j < SR; ++j) {
+            if (r0 + j >= V || up[j] < fl) continue;
+            const float l = exact_row(w, x, K, r0 + j, lane);
+            if (lane == 0) {
+                const int at = atomicAdd(count, 1);
+                if (at < V) list[at] = Entry{l, up[j], r0 + j, 0};
+            }
+        }
+    }
+}
 __global__ void pick(const Entry *list, const int *count, const int *floor_ord, int *out) {
     const float fl = unord(*floor_ord);
     const int n = min(*count, 1 << 30);
@@ -322,6 +395,23 @@ int main() {
         report("2 rows a warp, fast:", screened_with(screen<2, true>, 2));
         report("4 rows a warp, fast:", screened_with(screen<4, true>, 4));
         report("8 rows a warp, fast:", screened_with(screen<8, true>, 8));
+        // The persistent forms: blocks a multiprocessor x the multiprocessors.
+        int sms;
+        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        auto persist = [&](auto kern, int per_sm) {
+            return [=] {
+                reset<<<1, 1>>>(dfloor, dcount);
+                kern<<<sms * per_sm, WARPS * 32, K * 4>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+            };
+        };
+        report("persistent 2x4 (SR x CH), 4 a SM:", persist(screen_persist<2, 4>, 4));
+        report("persistent 2x4, 8 a SM:", persist(screen_persist<2, 4>, 8));
+        report("persistent 4x2, 4 a SM:", persist(screen_persist<4, 2>, 4));
+        report("persistent 4x2, 8 a SM:", persist(screen_persist<4, 2>, 8));
+        report("persistent 4x4, 4 a SM:", persist(screen_persist<4, 4>, 4));
+        report("persistent 8x1, 4 a SM:", persist(screen_persist<8, 1>, 4));
+        report("persistent 8x2, 4 a SM:", persist(screen_persist<8, 2>, 4));
         CHECK(cudaFree(dw));
         CHECK(cudaFree(dq));
         CHECK(cudaFree(ds));

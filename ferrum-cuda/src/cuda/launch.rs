@@ -124,6 +124,26 @@ fn feed_args(feed: &Option<Feed<'_>>) -> Result<(u64, u64, i32)> {
     })
 }
 
+/// Rows of the head a block of the screen kernel covers (misc.cu: 8 warps of 8 rows).
+const HEAD_ROWS_PER_BLOCK: usize = 64;
+/// The widest head the screen takes: its input in shared memory, padded to 5 bytes a column
+/// (misc.cu's xs_at), within the default 48 KiB allowance.
+pub(crate) const HEAD_MAX_COLS: usize = 8192;
+
+/// The screened LM head's buffers for one step (misc.cu; `CudaDecodeRunner::set_screened_head`):
+/// the int8 copy of the rows a step covers, their scales and bound coefficients, the overflow
+/// guard `(1 + gamma) max |w|` rounded up, the hand-off state (floor, count) and the list (a
+/// (logit bits, row) pair a row), and the vocabulary index of the first row.
+pub(crate) struct HeadScreen<'a> {
+    pub(crate) q: Region<'a, i8>,
+    pub(crate) scale: Region<'a, f32>,
+    pub(crate) coef: Region<'a, f32>,
+    pub(crate) ovf: f32,
+    pub(crate) state: Region<'a, i32>,
+    pub(crate) list: Region<'a, u32>,
+    pub(crate) base: usize,
+}
+
 /// A TP rank's share of the argmax under a vocab split: its logits are the LM head rows
 /// `[base, base + n)`, and its best candidate goes to slot `rank` of the exchange buffer `xchg`
 /// (`2 * world` floats; misc.cu's `ferrum_argmax_final`) instead of to the token.
@@ -366,6 +386,9 @@ pub(crate) struct Kernels {
     /// read here with the other knobs so that a bad value fails at load; used by the caller
     /// that captures the graphs.
     pub(crate) graph_steps: usize,
+    /// `FERRUM_SCREEN_HEAD=1`: every new runner turns the screened head on
+    /// (`CudaDecodeRunner::set_screened_head`; default off).
+    pub(crate) screen_head: bool,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -548,6 +571,7 @@ impl Kernels {
         let gemv_ks_shapes = crate::plan::gemv_ks_shapes(env("FERRUM_GEMV_KS_SHAPES")?.as_deref())?;
         let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
         let graph_steps = crate::plan::graph_steps(env("FERRUM_GRAPH_STEPS")?.as_deref())?;
+        let screen_head = knob("FERRUM_SCREEN_HEAD", 0, 1)? == Some(1);
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
@@ -631,6 +655,7 @@ impl Kernels {
             ?gemv_ks_shapes,
             gemv_tie,
             graph_steps,
+            screen_head,
             gemv_warps_per_sm,
             ?gemv_lanes,
             attn_tc_min_capacity,
@@ -661,6 +686,7 @@ impl Kernels {
             gemv_ks_shapes,
             gemv_tie,
             graph_steps,
+            screen_head,
             gemv_warps_per_sm,
             gemv_lanes,
             attn_tc_min_capacity,
@@ -1381,6 +1407,22 @@ impl Kernels {
         self.gemv_as(y, w, x, rows, cols, io, rows)
     }
 
+    /// The variant and the lanes a row group of the plain / `_norm` GEMV of an `as_rows x cols`
+    /// matrix (with `lanes < 32`, the short-row kernels): together they fix each row's
+    /// summation order, which the screened head's exact rows repeat.
+    fn gemv_order(&self, as_rows: usize, cols: usize) -> Result<(GemvVariant, u32)> {
+        let v = self.gemv_table.get(&(as_rows, cols, false)).copied().unwrap_or_default();
+        // A tall matrix of short rows without split-K (small models' LM heads): 8 or 16 lanes
+        // per two-row group (the plain and `_norm` kernels; two rows per group whatever the
+        // variant's `rows4`). Chosen from the whole matrix's shape (`as_rows`), as the variant.
+        let lanes = crate::plan::gemv_lanes_per_row(as_rows, cols, v.ks, self.gemv_lanes);
+        if lanes < 32 && v.ks != 1 {
+            // plan::gemv_lanes_per_row never gives it: the short-row kernels have no split-K sum.
+            return Err(Error::Internal(format!("a {lanes}-lane GEMV with split-K {}", v.ks)));
+        }
+        Ok((v, lanes))
+    }
+
     /// [`gemv_io`](Self::gemv_io) of some rows of a taller matrix, launched as the matrix's
     /// own GEMV (`as_rows` rows, `cols` columns) is: the same variant and split-K factor, so
     /// every row's dot product rounds exactly as in the whole product (a TP rank's LM head
@@ -1404,15 +1446,7 @@ impl Kernels {
             GemvIo::Plain | GemvIo::AddTo => (0u64, 0.0f32),
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        let v = self.gemv_table.get(&(as_rows, cols, false)).copied().unwrap_or_default();
-        // A tall matrix of short rows without split-K (small models' LM heads): 8 or 16 lanes
-        // per two-row group (the plain and `_norm` kernels; two rows per group whatever the
-        // variant's `rows4`). Chosen from the whole matrix's shape (`as_rows`), as the variant.
-        let lanes = crate::plan::gemv_lanes_per_row(as_rows, cols, v.ks, self.gemv_lanes);
-        if lanes < 32 && v.ks != 1 {
-            // plan::gemv_lanes_per_row never gives it: the short-row kernels have no split-K sum.
-            return Err(Error::Internal(format!("a {lanes}-lane GEMV with split-K {}", v.ks)));
-        }
+        let (v, lanes) = self.gemv_order(as_rows, cols)?;
         let short = match (lanes, io) {
             (8, GemvIo::Plain) => Some(pick(self.dtype, Kernel::GemvL8F16, Kernel::GemvL8Bf16)),
             (8, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL8F16, Kernel::GemvNormL8Bf16)),
@@ -1666,6 +1700,118 @@ impl Kernels {
         // extents checked above; signature (const f32*, int, u32*, u32*, u32*, int) matches.
         unsafe { b.launch(cfg((1, 1, 1), 32)) }.map_err(Error::driver("argmax_pick"))?;
         Ok(())
+    }
+
+    /// The screened head's set-up (misc.cu): `q` (`rows x cols` int8), each row's scale and
+    /// bound coefficient, and the largest `max |w|` of a finite row as f32 bits into `wmax`
+    /// (which must hold 0 before).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn head_quantize(
+        &self,
+        w: Region<'_, u16>,
+        rows: usize,
+        cols: usize,
+        q: Region<'_, i8>,
+        scale: Region<'_, f32>,
+        coef: Region<'_, f32>,
+        wmax: Region<'_, i32>,
+    ) -> Result<()> {
+        let n = rows.checked_mul(cols).ok_or_else(|| Error::Internal("head size overflows".into()))?;
+        let (pw, pq) = (w.need(n, "head W")?, q.need(n, "head q")?);
+        let (ps, pc, pm) = (scale.need(rows, "head scale")?, coef.need(rows, "head coef")?, wmax.need(1, "head wmax")?);
+        let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::HeadQuantizeF16, Kernel::HeadQuantizeBf16));
+        b.arg(&pw).arg(&r).arg(&c).arg(&pq).arg(&ps).arg(&pc).arg(&pm);
+        // SAFETY: each warp (8 a block, grid-stride over rows) reads W's row r over cols and
+        // writes q's row r, scale[r] and coef[r] for r < rows, and atomically wmax[0]; extents
+        // checked above; signature (const T*, int, int, int8*, f32*, f32*, int*) matches.
+        unsafe { b.launch(cfg((grid1(rows.div_ceil(8).min(65535))?, 1, 1), 256)) }
+            .map_err(Error::driver("head_quantize"))
+    }
+
+    /// The screened head's screen over rows `base .. base + rows` of the head (`w`, `hs`'s
+    /// copy: those rows' regions), with the head GEMV's input `x` (`cols`) and, when the GEMV
+    /// fuses the final RMSNorm, its weight and eps; each row's exact logit uses the summation
+    /// order of [`gemv_as`](Self::gemv_as)`(.., as_rows)`. Appends the rows that may hold the
+    /// argmax to the list (misc.cu); [`head_pick`](Self::head_pick) then picks.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn head_screen(
+        &self,
+        hs: &HeadScreen<'_>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        norm: Option<(Region<'_, u16>, f32)>,
+        rows: usize,
+        cols: usize,
+        as_rows: usize,
+    ) -> Result<()> {
+        if cols % 16 != 0 || cols > HEAD_MAX_COLS || hs.base + rows > 1 << 24 {
+            return Err(Error::Internal(format!("head screen: {cols} columns, rows {}..{}", hs.base, hs.base + rows)));
+        }
+        let n = rows.checked_mul(cols).ok_or_else(|| Error::Internal("head size overflows".into()))?;
+        let (pq, pw, px) = (hs.q.need(n, "head q")?, w.need(n, "head W")?, x.need(cols, "head x")?);
+        let (ps, pc) = (hs.scale.need(rows, "head scale")?, hs.coef.need(rows, "head coef")?);
+        let (pst, pl) = (hs.state.need(2, "head state")?, hs.list.need(2 * rows, "head list")?);
+        let (pn, eps) = match &norm {
+            Some((nw, eps)) => (nw.need(cols, "head norm weight")?, *eps),
+            None => (0u64, 0.0f32),
+        };
+        let (v, lanes) = self.gemv_order(as_rows, cols)?;
+        let (r, c, ks, lpr) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?, v.ks as i32, lanes as i32);
+        let base = hs.base as u32;
+        let k = match norm {
+            Some(_) => pick(self.dtype, Kernel::HeadScreenNormF16, Kernel::HeadScreenNormBf16),
+            None => pick(self.dtype, Kernel::HeadScreenF16, Kernel::HeadScreenBf16),
+        };
+        let mut b = self.builder(k);
+        b.arg(&pq).arg(&ps).arg(&pc).arg(&pw).arg(&px).arg(&pn).arg(&eps).arg(&r).arg(&c).arg(&ks).arg(&lpr);
+        b.arg(&hs.ovf).arg(&pst).arg(&pl).arg(&base);
+        let mut cf = cfg((grid1(rows.div_ceil(HEAD_ROWS_PER_BLOCK))?, 1, 1), 256);
+        cf.shared_mem_bytes = (cols * 5) as u32;
+        // SAFETY: block b's warp w reads rows (8b + w) * 8 + 0..8 below `rows` of q (int8), W
+        // (the dtype, cols each, 16-byte chunks: cols % 16 == 0 and the regions start at a row,
+        // so 16-byte aligned in 256-byte aligned allocations), scale and coef; every block reads
+        // x and the norm weight (when non-null) over cols into 5 cols bytes of dynamic shared
+        // memory (x', padded: cols <= HEAD_MAX_COLS, 40 KiB at most, below the default 48); it updates
+        // state[0..2] atomically and writes list entries (2 u32 each) at indices below rows (one
+        // per row at most, the kernel also checks). q is read before the programmatic-launch
+        // wait: it was written at set-up, followed by a synchronize, and no decode kernel writes
+        // it. ks <= 8 and lanes 8, 16 or 32 come from the GEMV's own plan (gemv_order). The
+        // signature (const int8*, const f32*, const f32*, const T*, const f32*, const T*, float,
+        // int x4, float, HeadState*, HeadEntry*, unsigned) matches.
+        unsafe { b.launch(cf) }.map_err(Error::driver("head_screen"))
+    }
+
+    /// The screened head's pick: the best row of the list that [`head_screen`](Self::head_screen)
+    /// filled (`rows` its capacity) becomes the token, written as [`argmax`](Self::argmax)
+    /// writes it (with a split: this rank's candidate to the exchange buffer); resets `state`.
+    pub(crate) fn head_pick(
+        &self,
+        state: Region<'_, i32>,
+        list: Region<'_, u32>,
+        rows: usize,
+        out: Region<'_, u32>,
+        feed: Option<Feed<'_>>,
+        split: Option<ArgmaxSplit<'_>>,
+    ) -> Result<()> {
+        let (pst, pl, po) = (state.need(2, "head state")?, list.need(2 * rows, "head list")?, out.need(1, "head out")?);
+        let (pstep, phist, cap) = feed_args(&feed)?;
+        let (px, rank, world) = match &split {
+            Some(sp) if sp.rank < sp.world => {
+                (sp.xchg.need(2 * sp.world, "head exchange")?, i32_of(sp.rank, "rank")?, i32_of(sp.world, "world")?)
+            }
+            Some(sp) => return Err(Error::Internal(format!("head pick: rank {} of {}", sp.rank, sp.world))),
+            None => (0u64, 0i32, 0i32),
+        };
+        let n = i32_of(rows, "rows")?;
+        let mut b = self.builder(Kernel::HeadPick);
+        b.arg(&pst).arg(&pl).arg(&n).arg(&po).arg(&pstep).arg(&phist).arg(&cap).arg(&px).arg(&rank).arg(&world);
+        // SAFETY: one block reads state[0..2] and list[0 .. 2 min(count, rows)), writes state;
+        // then as `argmax_final`: xchg[0 .. 2 world) with a split (rank < world checked), else
+        // out[0] and, with a feed, step[0..2] and history[i] for i <= capacity only (capacity +
+        // 1 elements); extents checked above; signature (HeadState*, const HeadEntry*, int, u32*,
+        // u32*, u32*, int, f32*, int, int) matches.
+        unsafe { b.launch(cfg((1, 1, 1), 256)) }.map_err(Error::driver("head_pick"))
     }
 
     /// Launches `ferrum_argmax_final` with 2048 threads per block, which CUDA refuses at launch

@@ -13,7 +13,9 @@ use cudarc::driver::{
     CudaContext, CudaEvent, CudaGraph, CudaSlice, CudaStream, DevicePtr, DeviceRepr, DriverError, PinnedHostSlice,
     ValidAsZeroBits,
 };
-use launch::{region, whole, ArgmaxSplit, AttnO, AttnRope, Feed, GemvIo, GemvVariant, Kernels, Region, GEMV_VARIANTS};
+use launch::{
+    region, whole, ArgmaxSplit, AttnO, AttnRope, Feed, GemvIo, GemvVariant, HeadScreen, Kernels, Region, GEMV_VARIANTS,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -246,6 +248,49 @@ struct Weights {
     lm_head: Option<CudaSlice<u16>>,
 }
 
+/// The screened LM head's device buffers ([`CudaDecodeRunner::set_screened_head`]; misc.cu):
+/// an int8 copy of the whole head with a scale and a bound coefficient a row, the overflow
+/// guard, the hand-off state and the candidate list.
+struct ScreenedHead {
+    /// `[vocab][hidden]`
+    q: CudaSlice<i8>,
+    scale: CudaSlice<f32>,
+    coef: CudaSlice<f32>,
+    /// `(1 + gamma) max |w|` over the finite rows, rounded up (`+inf`: never a bound).
+    ovf: f32,
+    /// `[floor, count]`; the pick kernel resets it after every step.
+    state: CudaSlice<i32>,
+    /// `[vocab][2]`: (logit bits, row) of each re-read row.
+    list: CudaSlice<u32>,
+}
+
+impl ScreenedHead {
+    /// The step's view of rows `r0 .. r0 + rn`.
+    fn view<'a>(&'a self, st: &CudaStream, (r0, rn): (usize, usize), h: usize) -> Result<HeadScreen<'a>> {
+        Ok(HeadScreen {
+            q: region(&self.q, st, r0 * h, rn * h)?,
+            scale: region(&self.scale, st, r0, rn)?,
+            coef: region(&self.coef, st, r0, rn)?,
+            ovf: self.ovf,
+            state: whole(&self.state, st)?,
+            list: region(&self.list, st, 0, 2 * rn)?,
+            base: r0,
+        })
+    }
+}
+
+/// What a forward pass ends with: the LM head's rows `r0 .. r0 + rn` (all of them, or a vocab
+/// split's share) into the logits, or the screened head over those rows (its list, for
+/// `head_pick`; the logits are not written).
+enum HeadJob<'a> {
+    Logits(&'a mut CudaSlice<f32>, (usize, usize)),
+    Screen(&'a ScreenedHead, (usize, usize)),
+}
+
+/// The initial hand-off state of the screened head: the floor at -inf (misc.cu's ord_of), no
+/// entries.
+const HEAD_STATE_INIT: [i32; 2] = [(0xff80_0000u32 ^ 0x7fff_ffff) as i32, 0];
+
 /// Activation buffers for up to `cap` tokens per pass (allocated once). Every activation is
 /// fp32 (x the residual stream, y the normed input of the projections, ...); `xh` holds the
 /// model-dtype copy of a projection input that a cuBLAS GEMM needs (prefill, or
@@ -346,6 +391,8 @@ pub struct CudaDecodeRunner {
     sms: usize,
     /// The TP vocab split of device-fed steps ([`CudaDecodeRunner::set_vocab_split`]).
     head_split: Option<HeadSplit>,
+    /// The screened head of greedy device-fed steps ([`CudaDecodeRunner::set_screened_head`]).
+    screen: Option<ScreenedHead>,
 }
 
 /// A TP rank's share of the LM head under the vocab split: it computes logits for the rows
@@ -695,7 +742,7 @@ impl CudaDecodeRunner {
         let argmax_i = alloc::<u32>(&ctx, &stream, parts, "argmax partials")?;
         let argmax_out = alloc::<u32>(&ctx, &stream, 1, "argmax result")?;
         stream.synchronize().map_err(Error::driver("initialising the runner"))?;
-        Ok(CudaDecodeRunner {
+        let mut r = CudaDecodeRunner {
             spec,
             ctx,
             k,
@@ -717,7 +764,12 @@ impl CudaDecodeRunner {
             projection: Projection::default(),
             sms,
             head_split: None,
-        })
+            screen: None,
+        };
+        if r.k.screen_head {
+            r.set_screened_head(true)?;
+        }
+        Ok(r)
     }
 
     /// The model description.
@@ -783,6 +835,77 @@ impl CudaDecodeRunner {
             Some(sp) if self.projection == Projection::Gemv => (sp.rows.start, sp.rows.len()),
             _ => (0, self.spec.vocab),
         }
+    }
+
+    /// Turns the screened LM head of greedy device-fed steps on or off (default: off). On, a
+    /// greedy [`enqueue_device_step`](Self::enqueue_device_step) picks the token without
+    /// computing the logits: an int8 copy of the head (made on the device by this call: one
+    /// byte a weight and 8 bytes a row more memory) brackets every row's logit, and only the
+    /// rows that may hold the argmax are read again in the model dtype, by the LM head GEMV's
+    /// own arithmetic, so the token is the full head's, bit for bit (misc.cu's screened head
+    /// has the proof; `ferrum_runner::screen` is its CPU reference). A step then reads about
+    /// half of the head's bytes. The logits buffer is not written by such a step; sampled
+    /// steps, host-fed steps and prefills compute the full head as before, and so does every
+    /// step with [`Projection::Cublas`] or a hidden size that is not a multiple of 16 (or above
+    /// 8192). With a vocab split, each rank screens its own rows.
+    ///
+    /// Off frees the copy. Captured device steps are captured again afterwards (the
+    /// generation changes).
+    pub fn set_screened_head(&mut self, on: bool) -> Result<()> {
+        self.generation += 1;
+        if !on {
+            self.screen = None;
+            return Ok(());
+        }
+        if self.screen.is_some() {
+            return Ok(());
+        }
+        let (v, h) = (self.spec.vocab, self.spec.hidden);
+        let n = v.checked_mul(h).ok_or_else(|| Error::InvalidArgument("head size overflows".into()))?;
+        let (ctx, st) = (&self.ctx, &self.k.stream);
+        let mut sc = ScreenedHead {
+            q: alloc::<i8>(ctx, st, n, "screened head")?,
+            scale: alloc::<f32>(ctx, st, v, "screened head scales")?,
+            coef: alloc::<f32>(ctx, st, v, "screened head bounds")?,
+            ovf: f32::INFINITY,
+            state: alloc::<i32>(ctx, st, 2, "screened head state")?,
+            list: alloc::<u32>(ctx, st, 2 * v, "screened head list")?,
+        };
+        let wmax = alloc::<i32>(ctx, st, 1, "screened head max")?;
+        let hw = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
+        self.k.head_quantize(
+            whole(hw, st)?,
+            v,
+            h,
+            whole(&sc.q, st)?,
+            whole(&sc.scale, st)?,
+            whole(&sc.coef, st)?,
+            whole(&wmax, st)?,
+        )?;
+        st.memcpy_htod(&HEAD_STATE_INIT, &mut sc.state).map_err(Error::driver("initialising the screened head"))?;
+        let mut m = [0i32; 1];
+        // The screen kernels read the copy before their programmatic-launch wait: it must be
+        // complete before any of them is launched (this synchronize), as the weights are.
+        st.memcpy_dtoh(&wmax, &mut m).map_err(Error::driver("reading the screened head's max"))?;
+        st.synchronize().map_err(Error::driver("making the screened head"))?;
+        sc.ovf = screen_overflow_guard(f32::from_bits(m[0] as u32), h);
+        self.screen = Some(sc);
+        Ok(())
+    }
+
+    /// Whether the screened head is on ([`set_screened_head`](Self::set_screened_head)).
+    pub fn screened_head(&self) -> bool {
+        self.screen.is_some()
+    }
+
+    /// Whether a device-fed step (greedy or not) takes the screened head.
+    fn screens(&self, greedy: bool) -> bool {
+        let h = self.spec.hidden;
+        greedy
+            && self.screen.is_some()
+            && self.projection == Projection::Gemv
+            && h % 16 == 0
+            && h <= launch::HEAD_MAX_COLS
     }
 
     /// Chooses how batch-1 projections run (default: [`Projection::Gemv`]).
@@ -861,8 +984,15 @@ impl CudaDecodeRunner {
     /// decode step buffer (written by the caller, or by the previous device-fed step). The
     /// caller updates the sequence's length. Logits for the LM head rows `head` (`(start, len)`:
     /// all of them, or a vocab split's share), from the start of the logits buffer.
-    fn forward_one(&mut self, seq: u64, head: (usize, usize)) -> Result<()> {
+    /// One decode pass of `seq`; `screened`: the screened head (which must be set up) instead of
+    /// the LM head's logits, over the same rows.
+    fn forward_one(&mut self, seq: u64, rows: (usize, usize), screened: bool) -> Result<()> {
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
+        let head = match (&self.screen, screened) {
+            (Some(sc), true) => HeadJob::Screen(sc, rows),
+            (None, true) => return Err(Error::Internal("a screened step without the screened head".into())),
+            (_, false) => HeadJob::Logits(&mut self.logits.buf, rows),
+        };
         forward(
             &self.k,
             &self.spec,
@@ -874,7 +1004,6 @@ impl CudaDecodeRunner {
             true,
             self.projection,
             self.reducer.as_mut(),
-            &mut self.logits.buf,
             head,
         )
     }
@@ -939,8 +1068,7 @@ impl CudaDecodeRunner {
                 false,
                 self.projection,
                 self.reducer.as_mut(),
-                &mut self.logits.buf,
-                (0, self.spec.vocab),
+                HeadJob::Logits(&mut self.logits.buf, (0, self.spec.vocab)),
             )?;
             s.len += chunk.len();
             // `step` is reused next chunk: wait for the copy (and surface kernel errors).
@@ -958,7 +1086,7 @@ impl CudaDecodeRunner {
         let step = [token, position as u32];
         self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
         self.fed = None;
-        self.forward_one(seq, (0, self.spec.vocab))?;
+        self.forward_one(seq, (0, self.spec.vocab), false)?;
         self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?.len = position + 1;
         Ok(&self.logits)
     }
@@ -1149,12 +1277,27 @@ impl CudaDecodeRunner {
         self.check_fed(seq)?;
         let sample = sampling.kernel_args()?;
         let (r0, rn) = self.vocab_rows();
-        self.forward_one(seq, (r0, rn))?;
+        let screened = self.screens(sample.is_none());
+        self.forward_one(seq, (r0, rn), screened)?;
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
         let st = &self.k.stream;
         let feed = || -> Result<Feed<'_>> {
             Ok(Feed { step: whole(&self.decode.step, st)?, history: whole(&s.history, st)?, capacity: s.capacity })
         };
+        if let Some(sc) = self.screen.as_ref().filter(|_| screened) {
+            // The screened head's pick (the list the forward pass's screen filled), then, under
+            // a vocab split, the same exchange and pick as the argmax's.
+            let (state, list, out) =
+                (whole(&sc.state, st)?, region(&sc.list, st, 0, 2 * rn)?, whole(&self.argmax_out, st)?);
+            let Some(sp) = self.head_split.as_ref().filter(|_| rn < self.spec.vocab) else {
+                return self.k.head_pick(state, list, rn, out, Some(feed()?), None);
+            };
+            let split = ArgmaxSplit { base: r0, xchg: whole(&sp.xchg, st)?, rank: sp.rank, world: sp.world };
+            self.k.head_pick(state, list, rn, out, Some(feed()?), Some(split))?;
+            let sp = self.head_split.as_mut().ok_or_else(|| Error::Internal("vocab split".into()))?;
+            self.reducer.all_reduce(ReduceBuf { data: &mut sp.xchg, len: 2 * sp.world, stream: st })?;
+            return self.k.argmax_pick(whole(&sp.xchg, st)?, sp.world, whole(&self.argmax_out, st)?, Some(feed()?));
+        }
         let (logits, pv, pi, out) = (
             region(&self.logits.buf, st, 0, rn)?,
             whole(&self.argmax_v, st)?,
@@ -1698,6 +1841,22 @@ fn project_add_rmsnorm(
     reduce_add_rmsnorm(k, reducer, (x, o, y), norm, n, h, eps)
 }
 
+/// The screened head's overflow guard `(1 + gamma) wmax`, rounded up (misc.cu): no bound when
+/// it times `||x'||_1` reaches `f32::MAX`. `wmax` is the largest `max |w|` of a finite row.
+fn screen_overflow_guard(wmax: f32, cols: usize) -> f32 {
+    let k = cols as f64 / 16_777_216.0;
+    let g = (1.0 + k / (1.0 - k)) * wmax as f64 * (1.0 + 1e-6);
+    // f64 -> f32 rounds to nearest; one step up makes it an upper bound (inf stays inf).
+    let f = g as f32;
+    if f.is_finite() && (f as f64) < g {
+        f32::from_bits(f.to_bits() + 1)
+    } else if f.is_finite() {
+        f
+    } else {
+        f32::INFINITY
+    }
+}
+
 /// One pass over `n` tokens whose ids are `a.step[0..n]`, the first at position `a.step[a.cap]`.
 /// Leaves the last row's logits in `logits`. Activations stay fp32 from kernel to kernel; the
 /// only roundings to the dtype are the K/V written to the cache and, on the cuBLAS path, the
@@ -1714,8 +1873,7 @@ fn forward(
     decode: bool,
     p: Projection,
     reducer: &mut dyn Reducer,
-    logits: &mut CudaSlice<f32>,
-    (r0, rn): (usize, usize),
+    head: HeadJob<'_>,
 ) -> Result<()> {
     if n == 0 || n > a.cap {
         return Err(Error::Internal(format!("forward of {n} tokens with buffers for {}", a.cap)));
@@ -1974,8 +2132,25 @@ fn forward(
     }
     // The LM head's rows r0 .. r0 + rn (all of them, or a vocab split's share: see
     // `set_vocab_split`), launched as the whole head's GEMV so each row rounds alike.
-    let head = w.lm_head.as_ref().unwrap_or(&w.embed);
-    let (logits, head) = (region(logits, st, 0, rn)?, region(head, st, r0 * h, rn * h)?);
+    let hw = w.lm_head.as_ref().unwrap_or(&w.embed);
+    let (logits, (r0, rn)) = match head {
+        HeadJob::Logits(logits, rows) => (logits, rows),
+        HeadJob::Screen(sc, (r0, rn)) => {
+            // The screened head reads the GEMV's input (and applies the final norm when the
+            // GEMV would) and repeats its arithmetic for the rows it re-reads.
+            if n != 1 || p != Projection::Gemv {
+                return Err(Error::Internal("the screened head runs on one-token GEMV steps only".into()));
+            }
+            let head = region(hw, st, r0 * h, rn * h)?;
+            let (input, norm) = if fused_norms {
+                (region(&a.x, st, 0, h)?, Some((whole(&w.final_norm, st)?, eps)))
+            } else {
+                (region(&a.y, st, 0, h)?, None)
+            };
+            return k.head_screen(&sc.view(st, (r0, rn), h)?, head, input, norm, rn, h, s.vocab);
+        }
+    };
+    let (logits, head) = (region(logits, st, 0, rn)?, region(hw, st, r0 * h, rn * h)?);
     if fused_norms {
         // logits = W_head (RMSNorm(x) * final_norm)
         let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
