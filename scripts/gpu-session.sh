@@ -8,7 +8,7 @@
 #   bash scripts/gpu-session.sh            # suite + HF checks + memcheck + benches + PyTorch peer
 #   SKIP_BENCH=1 bash scripts/gpu-session.sh
 #   (also SKIP_SUITE, SKIP_MEMCHECK, SKIP_TPCLI, SKIP_NOPDL, SKIP_NOFUSE, SKIP_PROFILE, SKIP_LONG,
-#   SKIP_HOSTLOOP, SKIP_PEER, SKIP_TP2NCCL; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
+#   SKIP_HOSTLOOP, SKIP_PEER, SKIP_TP2NCCL, SKIP_FULLHEAD; BENCH_MODELS, TP2_MODELS, PROFILE_MODELS, SUITE_EXTRA, MEMCHECK_FILTER)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 RET=${OUT:-/tmp/ferrum-gpu-out}
@@ -71,7 +71,7 @@ r = json.load(open(sys.argv[1]))
 extra = ""
 if r.get("host_us_per_token") is not None:
     extra = f"; host {r['host_us_per_token']:.2f} us/token, capture {r['capture_ms']:.1f} ms"
-print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}: {r['decode_tok_per_s']:.0f} tok/s, "
+print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}, {r.get('lm_head', '?')} head: {r['decode_tok_per_s']:.0f} tok/s, "
       f"{r['decode_ms_per_token_median']:.3f} ms/tok (worst run {r['decode_ms_per_token_p99']:.3f}), "
       f"prefill {r['prefill_ms_median']:.1f} ms, {r['achieved_gb_per_s']:.0f} GB/s per GPU = "
       f"{100*r['share_of_copy_bandwidth']:.1f}% of copy {r['copy_gb_per_s']:.0f} GB/s{extra}")
@@ -88,6 +88,15 @@ PY
                 "$OUT/bench-$m-$2.json" "$3" | tee -a "$S"
         done
     }
+    if [ -z "${SKIP_FULLHEAD:-}" ]; then
+        say "== the same TP1 runs with --full-head (the LM head's GEMV and argmax, not the screened head)"
+        for m in ${BENCH_MODELS:-smollm2-135m llama3.2-1b llama3-8b}; do
+            "$B/ferrum" bench --device cuda --synthetic "$m" --dtype bf16 --prompt-tokens 128 --gen-tokens 256 \
+                --runs 3 --full-head --json >"$OUT/bench-$m-fullhead.json" 2>>"$OUT/bench.log"
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(f\"ferrum {r['model']} [{r['backend']}] {r['lm_head']} head: {r['decode_tok_per_s']:.0f} tok/s, {r['decode_ms_per_token_median']:.3f} ms/tok\")" \
+                "$OUT/bench-$m-fullhead.json" | tee -a "$S"
+        done
+    fi
     [ -z "${SKIP_NOPDL:-}" ] && ab FERRUM_PDL=0 nopdl "no PDL" "no programmatic dependent launch: compute_80 PTX"
     [ -z "${SKIP_NOFUSE:-}" ] && ab FERRUM_FUSE=0 nofuse "no fusion" "every decode fusion off: split-KV merge, norms, RoPE in the attention"
     if [ -z "${SKIP_PROFILE:-}" ]; then

@@ -72,6 +72,14 @@ pub trait DecodeBackend {
         false
     }
 
+    /// Turns the screened LM head of greedy device-fed steps on or off (ferrum-cuda's
+    /// `CudaDecodeRunner::set_screened_head`: the same tokens, bit for bit, reading about half
+    /// of the head's bytes; every rank of a TP group); `false` where there is none (the CPU,
+    /// and then nothing changed).
+    fn set_screened_head(&mut self, _on: bool) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Device-fed decoding: feeds `token` (chosen, not yet fed) at the next position, and lets
     /// the device choose every next token (`sampling`) for up to `max_steps` steps, with no
     /// host round trip per token; `on_token` receives the chosen tokens in order and returns

@@ -117,6 +117,10 @@ struct Report {
     threads: usize,
     /// `device loop (graphs)`, `device loop (eager)` or `host loop`.
     mode: String,
+    /// `screened` (the device loop's greedy steps read the LM head's int8 copy and re-read
+    /// only the rows that may win: `weight_bytes_per_token` and the shares above still count
+    /// the whole head) or `full`.
+    lm_head: &'static str,
     /// Device loop with graphs: host time spent queueing replays per token (mean over the timed
     /// runs; one replay a token unless `FERRUM_GRAPH_STEPS` packs several steps a graph), µs.
     host_us_per_token: Option<f64>,
@@ -259,6 +263,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             (None, DeviceSpec::Cuda(ordinal)) => file_cuda(ordinal, &opts)?,
         };
+    // The bench decodes greedily: the screened LM head unless --full-head (the same tokens).
+    let screened = !a.model.full_head && backend.set_screened_head(true)?;
     if a.prompt_tokens + a.gen_tokens > cfg.max_position_embeddings {
         bail!("--prompt-tokens + --gen-tokens exceed the model's context of {}", cfg.max_position_embeddings);
     }
@@ -383,6 +389,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             (false, _) => "host loop",
         }
         .to_string(),
+        lm_head: if screened && device { "screened" } else { "full" },
         host_us_per_token: (graphed_steps > 0).then(|| enqueue_s / graphed_steps as f64 * 1e6),
         capture_ms,
         kernel_profile,
@@ -396,7 +403,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("backend               {}  ({} cores)", r.backend, r.threads);
         println!("prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs);
         println!("prefill               {:.2} ms (median)", r.prefill_ms_median);
-        println!("mode                  {}", r.mode);
+        println!("mode                  {}, LM head {}", r.mode, r.lm_head);
         let worst = if device { "worst run" } else { "p99" };
         println!("decode                {:.3} ms/token median, {:.3} {worst}", med, r.decode_ms_per_token_p99);
         if let (Some(h), Some(c)) = (r.host_us_per_token, r.capture_ms) {

@@ -35,6 +35,12 @@ pub struct ModelArgs {
     /// whole step replayed as one CUDA graph, is the default on CUDA).
     #[arg(long)]
     pub host_loop: bool,
+    /// Compute the whole LM head on greedy device-fed steps. By default CUDA screens it: an
+    /// int8 copy of the head brackets every row's logit and only the rows that may hold the
+    /// argmax are read again, so the tokens are the full head's, bit for bit, while about half
+    /// of the head's bytes are read (ferrum-cuda's `set_screened_head`).
+    #[arg(long)]
+    pub full_head: bool,
 }
 
 impl ModelArgs {

@@ -306,6 +306,11 @@ impl DecodeBackend for CudaBackend {
         true
     }
 
+    fn set_screened_head(&mut self, on: bool) -> Result<bool> {
+        self.rank.runner().set_screened_head(on).map_err(cuda_error)?;
+        Ok(true)
+    }
+
     fn decode_on_device(
         &mut self,
         token: u32,

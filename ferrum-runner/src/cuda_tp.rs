@@ -437,6 +437,11 @@ impl DecodeBackend for CudaTpBackend {
         true
     }
 
+    fn set_screened_head(&mut self, on: bool) -> Result<bool> {
+        CudaTpBackend::set_screened_head(self, on)?;
+        Ok(true)
+    }
+
     fn decode_on_device(
         &mut self,
         token: u32,

@@ -131,6 +131,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         keep_logits: a.dump_logits.is_some(),
         device_loop: !a.model.host_loop,
     };
+    // Greedy device-fed steps screen the LM head unless --full-head (the same tokens).
+    if !a.model.full_head && opts.device_sampling() == Some(ferrum_runner::backend::DeviceSampling::Greedy) {
+        s.backend.set_screened_head(true)?;
+    }
     // In a multi-process run every rank generates the same tokens; rank 0 prints them.
     let quiet = a.model.rank.is_some_and(|r| r != 0);
     let mut stream = s.tokenizer.stream_decoder();

@@ -224,6 +224,12 @@ impl<B: DecodeBackend> DecodeBackend for Watched<B> {
         self.inner().is_some_and(B::has_device_decode)
     }
 
+    fn set_screened_head(&mut self, on: bool) -> Result<bool> {
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.set_screened_head(on)
+    }
+
     fn decode_on_device(
         &mut self,
         token: u32,

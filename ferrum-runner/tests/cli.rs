@@ -168,6 +168,26 @@ fn bench_reports_json() {
     assert!(v["decode_tok_per_s"].as_f64().unwrap() > 0.0);
     assert!(v["prefill_ms_median"].as_f64().unwrap() > 0.0);
     assert!(v["weight_bytes_per_token"].as_u64().unwrap() > 0);
+    // The CPU has no screened head: the report says the full head ran, with or without
+    // --full-head (which parses for every backend).
+    assert_eq!(v["lm_head"], "full");
+    let m = model.to_str().unwrap();
+    let out = ferrum(&[
+        "bench",
+        "--model",
+        m,
+        "--prompt-tokens",
+        "4",
+        "--gen-tokens",
+        "2",
+        "--runs",
+        "1",
+        "--full-head",
+        "--json",
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["lm_head"], "full");
 }
 
 #[test]
