@@ -24,7 +24,13 @@
 // 2026-12-02-session33/call15-screened-head.txt). main() now runs that form, as the template
 // instance screen<2, false>, and three faster forms (FAST: ||x||_1 once a block, the byte
 // permute conversion; 2, 4 and 8 rows a warp), prepared after the session's device time was
-// spent: compiled (nvcc 13.0.88, no spills), not yet run.
+// spent: compiled (nvcc 13.0.88, no spills). Session 34 ran them (call 2, `.../2026-12-02-
+// session34/call2-screened-head-forms.txt`): 8 rows a warp is the fastest, 87.7 us at 1B
+// (3.0 TB/s), 145.0 at 8B, 26.4 at 135M; persistent grids with the input in shared memory
+// (`/tmp/sh persistent`) were not faster (95-128 us at 1B). The engine's kernel (misc.cu's
+// screened head) is the 8-row form. Call 11 ran the integer form below (dp4a, the input as 16
+// bits): slower, 99-101 us at 1B and 168-173 at 8B (`call11-screened-head-dp4a.txt`), so the
+// screen is not limited by its instructions.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -274,6 +280,110 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
     }
 }
+// The integer form (session 34, for the next step): x quantized once a block to 16 bits,
+// X = rint(x / s_x), s_x = max|x| / 32767, split as X = 256 h + l (h signed, l unsigned bytes,
+// packed four to a word in shared memory), so each 4-byte word of int8 weights is two dp4a
+// (0.5 instructions a weight instead of a permute, a subtraction and an FMA). The sums are
+// exact integers: T = 256 A + B = sum q X. The bound gains one term for the input's rounding,
+// 127 s_i ex with ex = sum |x - s_x X| (summed rounding up), and the screening value
+// s^ = fl(s_i s_x T) (computed in double, one more rounding: 2u |s^|).
+__device__ __forceinline__ int dp4a_su(int a, unsigned b, int c) {
+    int d;
+    asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int warp_isum(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+template <int SR>
+__global__ void __launch_bounds__(WARPS * 32)
+    screen_dp4a(const int8_t *q, const float *scale, const float *coef, const __nv_bfloat16 *w, const float *x, int V, int K,
+                int *floor_ord, Entry *list, int *count) {
+    extern __shared__ int hl_s[];  // [K / 4] words of h, then [K / 4] of l
+    int *hs = hl_s;
+    unsigned *ls = reinterpret_cast<unsigned *>(hl_s + K / 4);
+    __shared__ float s_red[3][WARPS];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    // max |x| over the block, then s_x.
+    float mx = 0.0f;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) s_red[0][wid] = mx;
+    __syncthreads();
+    mx = 0.0f;
+    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, s_red[0][i]);
+    const float sx = mx > 0.0f ? mx / 32767.0f : 1.0f;
+    // X, packed h and l, ||x||_1 and ex (both summed rounding up), 4 elements a thread a round.
+    float l1 = 0.0f, ex = 0.0f;
+    for (int c4 = threadIdx.x; c4 < K / 4; c4 += blockDim.x) {
+        const float4 v = __ldg(reinterpret_cast<const float4 *>(x) + c4);
+        const float xv[4] = {v.x, v.y, v.z, v.w};
+        unsigned hw = 0, lw = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int X = max(-32767, min(32767, __float2int_rn(xv[t] / sx)));
+            hw |= (unsigned)(X >> 8 & 0xff) << (8 * t);
+            lw |= (unsigned)(X & 0xff) << (8 * t);
+            l1 = __fadd_ru(l1, fabsf(xv[t]));
+            ex = __fadd_ru(ex, __fmul_ru(fabsf(fmaf(-sx, (float)X, xv[t])), 1.0f + 2.0f * U));
+        }
+        hs[c4] = (int)hw;
+        ls[c4] = lw;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l1 = __fadd_ru(l1, __shfl_xor_sync(0xffffffffu, l1, o)), ex = __fadd_ru(ex, __shfl_xor_sync(0xffffffffu, ex, o));
+    if (lane == 0) s_red[1][wid] = l1, s_red[2][wid] = ex;
+    __syncthreads();
+    l1 = 0.0f, ex = 0.0f;
+    for (int i = 0; i < WARPS; ++i) l1 = __fadd_ru(l1, s_red[1][i]), ex = __fadd_ru(ex, s_red[2][i]);
+    const int r0 = (blockIdx.x * WARPS + wid) * SR;
+    if (r0 >= V) return;
+    int A[SR] = {}, B[SR] = {};
+    const int4 *h4 = reinterpret_cast<const int4 *>(hs);
+    const uint4 *l4 = reinterpret_cast<const uint4 *>(ls);
+    for (int c = lane; c < K / 16; c += 32) {
+        int4 v[SR];
+#pragma unroll
+        for (int j = 0; j < SR; ++j) v[j] = __ldg(reinterpret_cast<const int4 *>(q + (size_t)min(r0 + j, V - 1) * K) + c);
+        const int4 hv = h4[c];
+        const uint4 lv = l4[c];
+#pragma unroll
+        for (int j = 0; j < SR; ++j) {
+            A[j] = __dp4a(v[j].x, hv.x, A[j]), A[j] = __dp4a(v[j].y, hv.y, A[j]);
+            A[j] = __dp4a(v[j].z, hv.z, A[j]), A[j] = __dp4a(v[j].w, hv.w, A[j]);
+            B[j] = dp4a_su(v[j].x, lv.x, B[j]), B[j] = dp4a_su(v[j].y, lv.y, B[j]);
+            B[j] = dp4a_su(v[j].z, lv.z, B[j]), B[j] = dp4a_su(v[j].w, lv.w, B[j]);
+        }
+    }
+    const float tiny = (K + 2) * 1.401298464e-45f;
+    float up[SR], lo = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < SR; ++j) {
+        const long long T = 256ll * warp_isum(A[j]) + warp_isum(B[j]);
+        const float si = r0 + j < V ? scale[r0 + j] : 0.0f;
+        const float sh = (float)((double)si * (double)sx * (double)T);
+        const float b = r0 + j < V ? __fadd_ru(__fadd_ru(__fadd_ru(__fmul_ru(coef[r0 + j], l1), __fmul_ru(__fmul_ru(127.0f, si), ex)),
+                                                         __fmul_ru(2.0f * U, fabsf(sh))), tiny)
+                                   : INFINITY;
+        up[j] = __fadd_ru(sh, b);
+        if (r0 + j < V) lo = fmaxf(lo, __fsub_rd(sh, b));
+    }
+    int f = 0;
+    if (lane == 0) f = max(atomicMax(floor_ord, ord(lo)), ord(lo));
+    const float fl = unord(__shfl_sync(0xffffffffu, f, 0));
+#pragma unroll
+    for (int j = 0; j < SR; ++j) {
+        if (r0 + j >= V || up[j] < fl) continue;
+        const float l = exact_row(w, x, K, r0 + j, lane);
+        if (lane == 0) {
+            const int at = atomicAdd(count, 1);
+            if (at < V) list[at] = Entry{l, up[j], r0 + j, 0};
+        }
+    }
+}
 __global__ void pick(const Entry *list, const int *count, const int *floor_ord, int *out) {
     const float fl = unord(*floor_ord);
     const int n = min(*count, 1 << 30);
@@ -289,7 +399,9 @@ __global__ void reset(int *floor_ord, int *count) {
     *count = 0;
 }
 
-int main() {
+int main(int argc, char **argv) {
+    // `persistent`: also session 34 call 2's persistent forms.
+    const bool persistent_forms = argc > 1 && std::strcmp(argv[1], "persistent") == 0;
     struct Shape {
         const char *name;
         int V, K;
@@ -405,13 +517,26 @@ int main() {
                 pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
             };
         };
-        report("persistent 2x4 (SR x CH), 4 a SM:", persist(screen_persist<2, 4>, 4));
-        report("persistent 2x4, 8 a SM:", persist(screen_persist<2, 4>, 8));
-        report("persistent 4x2, 4 a SM:", persist(screen_persist<4, 2>, 4));
-        report("persistent 4x2, 8 a SM:", persist(screen_persist<4, 2>, 8));
-        report("persistent 4x4, 4 a SM:", persist(screen_persist<4, 4>, 4));
-        report("persistent 8x1, 4 a SM:", persist(screen_persist<8, 1>, 4));
-        report("persistent 8x2, 4 a SM:", persist(screen_persist<8, 2>, 4));
+        if (persistent_forms) {  // call 2 of session 34: none beat the 8-row form
+            report("persistent 2x4 (SR x CH), 4 a SM:", persist(screen_persist<2, 4>, 4));
+            report("persistent 2x4, 8 a SM:", persist(screen_persist<2, 4>, 8));
+            report("persistent 4x2, 4 a SM:", persist(screen_persist<4, 2>, 4));
+            report("persistent 4x2, 8 a SM:", persist(screen_persist<4, 2>, 8));
+            report("persistent 4x4, 4 a SM:", persist(screen_persist<4, 4>, 4));
+            report("persistent 8x1, 4 a SM:", persist(screen_persist<8, 1>, 4));
+            report("persistent 8x2, 4 a SM:", persist(screen_persist<8, 2>, 4));
+        }
+        // The integer forms: dynamic shared memory 2 K bytes (h and l words).
+        auto dp4a = [&](auto kern, int sr) {
+            return [=] {
+                reset<<<1, 1>>>(dfloor, dcount);
+                kern<<<(V + WARPS * sr - 1) / (WARPS * sr), WARPS * 32, 2 * K>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+            };
+        };
+        report("dp4a, 4 rows a warp:", dp4a(screen_dp4a<4>, 4));
+        report("dp4a, 8 rows a warp:", dp4a(screen_dp4a<8>, 8));
+        report("dp4a, 16 rows a warp:", dp4a(screen_dp4a<16>, 16));
         CHECK(cudaFree(dw));
         CHECK(cudaFree(dq));
         CHECK(cudaFree(ds));
