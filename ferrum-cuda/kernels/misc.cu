@@ -232,6 +232,7 @@ extern "C" __global__ void ferrum_argmax_pick(const float *xchg, int world, uint
 struct HeadState {
     int floor_ord;  // ord_of(the floor)
     int count;      // entries in the list
+    int last;       // the last pick's count (read by the host for tests and diagnostics)
 };
 struct HeadEntry {
     float logit;
@@ -509,6 +510,7 @@ extern "C" __global__ void ferrum_head_pick(HeadState *st, const HeadEntry *list
     }
     block_argmax(v, i);
     if (threadIdx.x == 0) {
+        st->last = n;
         st->floor_ord = ord_of(FERRUM_NEG_INF);
         st->count = 0;
         pick_done(v, i, out, step, history, capacity, xchg, rank, world);

@@ -307,8 +307,7 @@ impl DecodeBackend for CudaBackend {
     }
 
     fn set_screened_head(&mut self, on: bool) -> Result<bool> {
-        self.rank.runner().set_screened_head(on).map_err(cuda_error)?;
-        Ok(true)
+        self.rank.runner().set_screened_head(on).map_err(cuda_error)
     }
 
     fn decode_on_device(

@@ -345,9 +345,10 @@ impl CudaTpBackend {
 
     /// The screened LM head of greedy device-fed steps on every rank
     /// (`CudaDecodeRunner::set_screened_head`; with the vocab split, each rank screens its
-    /// share).
-    pub fn set_screened_head(&mut self, on: bool) -> Result<()> {
-        self.on_ranks(move |w, _| w.rank.runner().set_screened_head(on).map_err(cuda_error)).map(|_| ())
+    /// share); whether every rank's greedy steps now screen it.
+    pub fn set_screened_head(&mut self, on: bool) -> Result<bool> {
+        let on = self.on_ranks(move |w, _| w.rank.runner().set_screened_head(on).map_err(cuda_error))?;
+        Ok(on.iter().all(|&b| b))
     }
 
     /// Device-fed steps per captured graph on every rank (see
@@ -438,8 +439,7 @@ impl DecodeBackend for CudaTpBackend {
     }
 
     fn set_screened_head(&mut self, on: bool) -> Result<bool> {
-        CudaTpBackend::set_screened_head(self, on)?;
-        Ok(true)
+        CudaTpBackend::set_screened_head(self, on)
     }
 
     fn decode_on_device(

@@ -133,7 +133,10 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     };
     // Greedy device-fed steps screen the LM head unless --full-head (the same tokens).
     if !a.model.full_head && opts.device_sampling() == Some(ferrum_runner::backend::DeviceSampling::Greedy) {
-        s.backend.set_screened_head(true)?;
+        if let Err(e) = s.backend.set_screened_head(true) {
+            // The full head gives the same tokens: go on without the copy (out of memory, say).
+            eprintln!("no screened LM head ({e}); computing the whole head");
+        }
     }
     // In a multi-process run every rank generates the same tokens; rank 0 prints them.
     let quiet = a.model.rank.is_some_and(|r| r != 0);

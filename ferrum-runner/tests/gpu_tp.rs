@@ -305,11 +305,14 @@ fn edit_head(mut w: ModelWeights, edit: impl Fn(&mut [Vec<f32>])) -> ModelWeight
 /// Greedy device tokens with the screened head off, then on, on the same runner (the graphs are
 /// captured again after the switch); the two token lists.
 fn screened_pair(b: &mut CudaBackend, p: &[u32], steps: usize, capacity: usize) -> (Vec<u32>, Vec<u32>) {
-    b.runner().set_screened_head(false).unwrap();
+    assert!(!b.runner().set_screened_head(false).unwrap());
     let full = device_tokens(b, p, steps, capacity, DeviceSampling::Greedy);
-    b.runner().set_screened_head(true).unwrap();
+    assert!(b.runner().set_screened_head(true).unwrap(), "this shape has a screened head");
     assert!(b.runner().screened_head());
     let screened = device_tokens(b, p, steps, capacity, DeviceSampling::Greedy);
+    // The last step screened: it re-read at least the row it chose.
+    let rows = b.runner().screened_rows().unwrap();
+    assert!(rows.iter().any(|&(r, _)| r == *screened.last().unwrap()), "{rows:?}");
     (full, screened)
 }
 
@@ -340,7 +343,7 @@ fn screened_head_picks_the_full_heads_greedy_tokens() {
                     assert_eq!(screened, full, "{arch:?} tied={tied} {dtype:?} {path}: greedy tokens");
                     let t = DeviceSampling::Temperature { temperature: 1.0, seed: 7 };
                     let sampled_on = device_tokens(&mut b, &p, 32, capacity, t);
-                    b.runner().set_screened_head(false).unwrap();
+                    assert!(!b.runner().set_screened_head(false).unwrap());
                     let sampled_off = device_tokens(&mut b, &p, 32, capacity, t);
                     assert_eq!(sampled_on, sampled_off, "{arch:?} tied={tied} {dtype:?} {path}: sampled tokens");
                 }
@@ -376,7 +379,8 @@ fn screened_head_matches_the_full_head_on_adversarial_heads() {
         }),
         ("zero rows", |r| r[..100].iter_mut().for_each(|row| row.fill(0.0))),
         ("peaked", |r| r.iter_mut().flatten().for_each(|v| *v *= 50.0)),
-        ("overflowing", |r| r.iter_mut().flatten().for_each(|v| *v *= 1e36)),
+        // Past the overflow guard ((1 + gamma) max |w| ||x'||_1 >= f32::MAX): every row re-read.
+        ("overflowing", |r| r.iter_mut().flatten().for_each(|v| *v *= 1e37)),
     ];
     for (name, edit) in heads {
         let w = edit_head(base.clone(), edit);
@@ -405,11 +409,95 @@ fn screened_head_matches_the_full_head_at_real_shapes() {
         let mut g = synthetic_group(&cfg, 0, 1, BF16, 17).unwrap();
         let p = prompt(64, cfg.vocab_size, 2);
         let full = device_tokens(&mut g, &p, 64, 256, DeviceSampling::Greedy);
-        g.set_screened_head(true).unwrap();
+        assert!(g.set_screened_head(true).unwrap());
         let screened = device_tokens(&mut g, &p, 64, 256, DeviceSampling::Greedy);
         assert_eq!(screened, full, "{name}: greedy tokens");
         println!("{name}: screened = full head (64 greedy tokens)");
     }
+}
+
+/// A model of `hidden` columns with `vocab` rows (16 query heads of 64 over 4 KV heads, so
+/// q_dim = hidden at 1024).
+fn wide_config(arch: Arch, hidden: usize, vocab: usize) -> ModelConfig {
+    let mut c = config(arch, false, 4);
+    c.hidden_size = hidden;
+    c.num_heads = hidden / 64;
+    c.vocab_size = vocab;
+    c
+}
+
+/// Every row the screened head re-reads carries the full head's logit bit for bit (the
+/// GEMV's own summation order), not only the chosen one: compared with the host-fed steps'
+/// logits at every step, on heads whose GEMV sums a row with split-K (hidden 1024 over 1000
+/// rows: several warps a row group) and with 16 or 8 lanes a row (20000 rows of 1024 and
+/// 49152 of 256: the short-row kernels), each with the fused final norm and without it, both
+/// dtypes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn screened_rows_carry_the_full_heads_logits_bit_for_bit() {
+    init();
+    for (hidden, vocab) in [(256, 1001), (1024, 1000), (1024, 20000), (256, 49152)] {
+        let cfg = wide_config(Arch::Llama, hidden, vocab);
+        let w = weights(&cfg, 41);
+        let p = prompt(24, vocab, 4);
+        for dtype in [BF16, ferrum_cuda::DType::F16] {
+            for (path, fusion) in [("fused", Fusion::ALL), ("unfused", Fusion::NONE)] {
+                let what = format!("hidden {hidden} vocab {vocab} {dtype:?} {path}");
+                let mut host = CudaBackend::new(build_runner(&w, dtype, 0, &mut |_, _| {}).unwrap());
+                host.runner().set_fusion(fusion);
+                let want = host_logits(&mut host, &p, 16, 64);
+                let mut b = CudaBackend::new(build_runner(&w, dtype, 0, &mut |_, _| {}).unwrap());
+                b.runner().set_fusion(fusion);
+                assert!(b.runner().set_screened_head(true).unwrap(), "{what}");
+                let logits = b.prefill(&p, 64).unwrap();
+                b.rank().device_begin(0, argmax(&logits), p.len()).unwrap();
+                let mut checked = 0;
+                for (i, l) in want[1..].iter().enumerate() {
+                    let got = b.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+                    assert_eq!(got, vec![argmax(l)], "{what}: step {i} token");
+                    let rows = b.runner().screened_rows().unwrap();
+                    assert!(rows.iter().any(|&(r, _)| r == got[0]), "{what}: step {i}: the token was not re-read");
+                    for (r, v) in rows {
+                        assert_eq!(
+                            v.to_bits(),
+                            l[r as usize].to_bits(),
+                            "{what}: step {i} row {r}: {v} vs {}",
+                            l[r as usize]
+                        );
+                        checked += 1;
+                    }
+                }
+                println!("{what}: {checked} re-read rows over 16 steps, every one the full head's logit bit for bit");
+            }
+        }
+    }
+}
+
+/// Where the screened head cannot run, it says so and the steps compute the whole head: a
+/// hidden size that is not a multiple of 16 (nothing allocated), and the cuBLAS projection
+/// (the copy kept, the full head used). The same greedy tokens either way.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn screened_head_falls_back_where_it_cannot_run() {
+    init();
+    let mut cfg = config(Arch::Llama, false, 2);
+    cfg.hidden_size = 200; // a multiple of 8 (the GEMV's vector path), not of 16
+    let w = weights(&cfg, 5);
+    let p = prompt(20, cfg.vocab_size, 1);
+    let mut b = CudaBackend::new(build_runner(&w, BF16, 0, &mut |_, _| {}).unwrap());
+    let full = device_tokens(&mut b, &p, 24, 64, DeviceSampling::Greedy);
+    assert!(!b.runner().set_screened_head(true).unwrap(), "hidden 200 has no screened head");
+    assert!(!b.runner().screened_head());
+    assert_eq!(device_tokens(&mut b, &p, 24, 64, DeviceSampling::Greedy), full, "hidden 200");
+    let cfg = config(Arch::Llama, false, 2);
+    let w = weights(&cfg, 6);
+    let mut b = CudaBackend::new(build_runner(&w, BF16, 0, &mut |_, _| {}).unwrap());
+    b.runner().set_projection(ferrum_cuda::Projection::Cublas);
+    let full = device_tokens(&mut b, &p, 24, 64, DeviceSampling::Greedy);
+    assert!(b.runner().set_screened_head(true).unwrap());
+    assert_eq!(device_tokens(&mut b, &p, 24, 64, DeviceSampling::Greedy), full, "cuBLAS projection");
+    assert!(b.runner().screened_rows().unwrap().is_empty(), "no step screened");
+    println!("hidden 200: no screened head; cuBLAS projection: the full head; same tokens");
 }
 
 /// With the vocab split, each rank screens its own rows and the ranks exchange their
@@ -426,7 +514,7 @@ fn tp2_screened_head_with_the_vocab_split_matches_the_full_head() {
             let opts = TpOptions { all_reduce: AllReduce::Auto, vocab_split: true, fusion: None };
             let mut g = synthetic_group_opts(&cfg, 0, 2, BF16, 13, opts).unwrap();
             let full = device_tokens(&mut g, &p, 48, 128, DeviceSampling::Greedy);
-            g.set_screened_head(true).unwrap();
+            assert!(g.set_screened_head(true).unwrap());
             let screened = device_tokens(&mut g, &p, 48, 128, DeviceSampling::Greedy);
             assert_eq!(screened, full, "{arch:?} tied={tied} vocab {vocab}: greedy tokens");
             println!("{arch:?} tied={tied} vocab {vocab}: TP2 screened = full head (48 greedy tokens)");

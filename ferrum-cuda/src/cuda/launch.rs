@@ -1751,7 +1751,7 @@ impl Kernels {
         let n = rows.checked_mul(cols).ok_or_else(|| Error::Internal("head size overflows".into()))?;
         let (pq, pw, px) = (hs.q.need(n, "head q")?, w.need(n, "head W")?, x.need(cols, "head x")?);
         let (ps, pc) = (hs.scale.need(rows, "head scale")?, hs.coef.need(rows, "head coef")?);
-        let (pst, pl) = (hs.state.need(2, "head state")?, hs.list.need(2 * rows, "head list")?);
+        let (pst, pl) = (hs.state.need(3, "head state")?, hs.list.need(2 * rows, "head list")?);
         let (pn, eps) = match &norm {
             Some((nw, eps)) => (nw.need(cols, "head norm weight")?, *eps),
             None => (0u64, 0.0f32),
@@ -1794,7 +1794,7 @@ impl Kernels {
         feed: Option<Feed<'_>>,
         split: Option<ArgmaxSplit<'_>>,
     ) -> Result<()> {
-        let (pst, pl, po) = (state.need(2, "head state")?, list.need(2 * rows, "head list")?, out.need(1, "head out")?);
+        let (pst, pl, po) = (state.need(3, "head state")?, list.need(2 * rows, "head list")?, out.need(1, "head out")?);
         let (pstep, phist, cap) = feed_args(&feed)?;
         let (px, rank, world) = match &split {
             Some(sp) if sp.rank < sp.world => {
@@ -1806,7 +1806,7 @@ impl Kernels {
         let n = i32_of(rows, "rows")?;
         let mut b = self.builder(Kernel::HeadPick);
         b.arg(&pst).arg(&pl).arg(&n).arg(&po).arg(&pstep).arg(&phist).arg(&cap).arg(&px).arg(&rank).arg(&world);
-        // SAFETY: one block reads state[0..2] and list[0 .. 2 min(count, rows)), writes state;
+        // SAFETY: one block reads state[0..2] and list[0 .. 2 min(count, rows)), writes state[0..3];
         // then as `argmax_final`: xchg[0 .. 2 world) with a split (rank < world checked), else
         // out[0] and, with a feed, step[0..2] and history[i] for i <= capacity only (capacity +
         // 1 elements); extents checked above; signature (HeadState*, const HeadEntry*, int, u32*,

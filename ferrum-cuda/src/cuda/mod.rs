@@ -249,32 +249,36 @@ struct Weights {
 }
 
 /// The screened LM head's device buffers ([`CudaDecodeRunner::set_screened_head`]; misc.cu):
-/// an int8 copy of the whole head with a scale and a bound coefficient a row, the overflow
-/// guard, the hand-off state and the candidate list.
+/// an int8 copy of the rows a device-fed step covers (the whole head, or a vocab split's
+/// share) with a scale and a bound coefficient a row, the overflow guard, the hand-off state
+/// and the candidate list.
 struct ScreenedHead {
-    /// `[vocab][hidden]`
+    /// The head's rows `(r0, rn)` the copy holds.
+    rows: (usize, usize),
+    /// `[rn][hidden]`
     q: CudaSlice<i8>,
     scale: CudaSlice<f32>,
     coef: CudaSlice<f32>,
     /// `(1 + gamma) max |w|` over the finite rows, rounded up (`+inf`: never a bound).
     ovf: f32,
-    /// `[floor, count]`; the pick kernel resets it after every step.
+    /// `[floor, count, last step's count]`; the pick kernel resets the first two after every
+    /// step, `device_decode_begin` all three.
     state: CudaSlice<i32>,
-    /// `[vocab][2]`: (logit bits, row) of each re-read row.
+    /// `[rn][2]`: (logit bits, vocabulary row) of each re-read row.
     list: CudaSlice<u32>,
 }
 
 impl ScreenedHead {
-    /// The step's view of rows `r0 .. r0 + rn`.
-    fn view<'a>(&'a self, st: &CudaStream, (r0, rn): (usize, usize), h: usize) -> Result<HeadScreen<'a>> {
+    /// A step's view of the copy.
+    fn view<'a>(&'a self, st: &CudaStream) -> Result<HeadScreen<'a>> {
         Ok(HeadScreen {
-            q: region(&self.q, st, r0 * h, rn * h)?,
-            scale: region(&self.scale, st, r0, rn)?,
-            coef: region(&self.coef, st, r0, rn)?,
+            q: whole(&self.q, st)?,
+            scale: whole(&self.scale, st)?,
+            coef: whole(&self.coef, st)?,
             ovf: self.ovf,
             state: whole(&self.state, st)?,
-            list: region(&self.list, st, 0, 2 * rn)?,
-            base: r0,
+            list: whole(&self.list, st)?,
+            base: self.rows.0,
         })
     }
 }
@@ -284,12 +288,13 @@ impl ScreenedHead {
 /// `head_pick`; the logits are not written).
 enum HeadJob<'a> {
     Logits(&'a mut CudaSlice<f32>, (usize, usize)),
-    Screen(&'a ScreenedHead, (usize, usize)),
+    /// Over the copy's own rows.
+    Screen(&'a ScreenedHead),
 }
 
 /// The initial hand-off state of the screened head: the floor at -inf (misc.cu's ord_of), no
-/// entries.
-const HEAD_STATE_INIT: [i32; 2] = [(0xff80_0000u32 ^ 0x7fff_ffff) as i32, 0];
+/// entries, none last step.
+const HEAD_STATE_INIT: [i32; 3] = [(0xff80_0000u32 ^ 0x7fff_ffff) as i32, 0, 0];
 
 /// Activation buffers for up to `cap` tokens per pass (allocated once). Every activation is
 /// fp32 (x the residual stream, y the normed input of the projections, ...); `xh` holds the
@@ -819,12 +824,19 @@ impl CudaDecodeRunner {
         self.generation += 1;
         if world == 1 {
             self.head_split = None;
+            if self.screen.is_some() {
+                self.set_screened_head(true)?;
+            }
             return Ok(());
         }
         let share = |r: usize| v / world + usize::from(r < v % world);
         let start: usize = (0..rank).map(share).sum();
         let xchg = alloc::<f32>(&self.ctx, &self.k.stream, 2 * world, "argmax exchange")?;
         self.head_split = Some(HeadSplit { rank, world, rows: start..start + share(rank), xchg });
+        // A screened head follows the split: a copy of this rank's rows only.
+        if self.screen.is_some() {
+            self.set_screened_head(true)?;
+        }
         Ok(())
     }
 
@@ -837,45 +849,54 @@ impl CudaDecodeRunner {
         }
     }
 
-    /// Turns the screened LM head of greedy device-fed steps on or off (default: off). On, a
-    /// greedy [`enqueue_device_step`](Self::enqueue_device_step) picks the token without
-    /// computing the logits: an int8 copy of the head (made on the device by this call: one
-    /// byte a weight and 8 bytes a row more memory) brackets every row's logit, and only the
-    /// rows that may hold the argmax are read again in the model dtype, by the LM head GEMV's
-    /// own arithmetic, so the token is the full head's, bit for bit (misc.cu's screened head
-    /// has the proof; `ferrum_runner::screen` is its CPU reference). A step then reads about
-    /// half of the head's bytes. The logits buffer is not written by such a step; sampled
-    /// steps, host-fed steps and prefills compute the full head as before, and so does every
-    /// step with [`Projection::Cublas`] or a hidden size that is not a multiple of 16 (or above
-    /// 8192). With a vocab split, each rank screens its own rows.
+    /// Turns the screened LM head of greedy device-fed steps on or off (default: off); returns
+    /// whether greedy device-fed steps now screen it. On, a greedy
+    /// [`enqueue_device_step`](Self::enqueue_device_step) picks the token without computing
+    /// the logits: an int8 copy of the head (made on the device by this call: one byte a weight
+    /// and 16 bytes a row more memory, for this runner's rows only under a vocab split)
+    /// brackets every row's logit, and only the rows that may hold the argmax are read again in
+    /// the model dtype, by the LM head GEMV's own arithmetic, so the token is the full head's,
+    /// bit for bit (misc.cu's screened head has the argument; `ferrum_runner::screen` is its CPU
+    /// reference). A step then reads about half of the head's bytes. Such a step does not write
+    /// the logits buffer. Sampled steps, host-fed steps and prefills compute the full head as
+    /// before, and so does every step with [`Projection::Cublas`]. A hidden size that is not a
+    /// multiple of 16 or is above 8192, or a vocabulary of 2^24 rows or more, has no screened
+    /// head: the call then returns `false` and allocates nothing.
     ///
-    /// Off frees the copy. Captured device steps are captured again afterwards (the
+    /// Off frees the copy. Captured device steps are captured again after a change (the
     /// generation changes).
-    pub fn set_screened_head(&mut self, on: bool) -> Result<()> {
-        self.generation += 1;
-        if !on {
-            self.screen = None;
-            return Ok(());
-        }
-        if self.screen.is_some() {
-            return Ok(());
-        }
+    pub fn set_screened_head(&mut self, on: bool) -> Result<bool> {
+        let rows = self.split_rows();
         let (v, h) = (self.spec.vocab, self.spec.hidden);
-        let n = v.checked_mul(h).ok_or_else(|| Error::InvalidArgument("head size overflows".into()))?;
+        let possible = h % 16 == 0 && h <= launch::HEAD_MAX_COLS && v < 1 << 24;
+        if !on || !possible {
+            if self.screen.take().is_some() {
+                self.generation += 1;
+            }
+            return Ok(false);
+        }
+        if self.screen.as_ref().is_some_and(|sc| sc.rows == rows) {
+            return Ok(true);
+        }
+        self.screen = None; // free an old copy first
+        self.generation += 1;
+        let (r0, rn) = rows;
+        let n = rn.checked_mul(h).ok_or_else(|| Error::InvalidArgument("head size overflows".into()))?;
         let (ctx, st) = (&self.ctx, &self.k.stream);
         let mut sc = ScreenedHead {
+            rows,
             q: alloc::<i8>(ctx, st, n, "screened head")?,
-            scale: alloc::<f32>(ctx, st, v, "screened head scales")?,
-            coef: alloc::<f32>(ctx, st, v, "screened head bounds")?,
+            scale: alloc::<f32>(ctx, st, rn, "screened head scales")?,
+            coef: alloc::<f32>(ctx, st, rn, "screened head bounds")?,
             ovf: f32::INFINITY,
-            state: alloc::<i32>(ctx, st, 2, "screened head state")?,
-            list: alloc::<u32>(ctx, st, 2 * v, "screened head list")?,
+            state: alloc::<i32>(ctx, st, HEAD_STATE_INIT.len(), "screened head state")?,
+            list: alloc::<u32>(ctx, st, 2 * rn, "screened head list")?,
         };
         let wmax = alloc::<i32>(ctx, st, 1, "screened head max")?;
         let hw = self.w.lm_head.as_ref().unwrap_or(&self.w.embed);
         self.k.head_quantize(
-            whole(hw, st)?,
-            v,
+            region(hw, st, r0 * h, n)?,
+            rn,
             h,
             whole(&sc.q, st)?,
             whole(&sc.scale, st)?,
@@ -890,7 +911,7 @@ impl CudaDecodeRunner {
         st.synchronize().map_err(Error::driver("making the screened head"))?;
         sc.ovf = screen_overflow_guard(f32::from_bits(m[0] as u32), h);
         self.screen = Some(sc);
-        Ok(())
+        Ok(true)
     }
 
     /// Whether the screened head is on ([`set_screened_head`](Self::set_screened_head)).
@@ -898,14 +919,34 @@ impl CudaDecodeRunner {
         self.screen.is_some()
     }
 
+    /// The rows the last screened device-fed step read again and their exact logits (those of
+    /// the full head, bit for bit), as `(vocabulary row, logit)` in the order the screen found
+    /// them; empty before any screened step. For tests and diagnostics: waits for the stream.
+    pub fn screened_rows(&self) -> Result<Vec<(u32, f32)>> {
+        let Some(sc) = &self.screen else { return Ok(Vec::new()) };
+        let st = &self.k.stream;
+        let mut state = [0i32; HEAD_STATE_INIT.len()];
+        st.memcpy_dtoh(&sc.state, &mut state).map_err(Error::driver("reading the screened head's state"))?;
+        let mut list = vec![0u32; sc.list.len()];
+        st.memcpy_dtoh(&sc.list, list.as_mut_slice()).map_err(Error::driver("reading the screened head's list"))?;
+        st.synchronize().map_err(Error::driver("reading the screened head"))?;
+        let n = (state[2].max(0) as usize).min(list.len() / 2);
+        Ok(list[..2 * n].chunks_exact(2).map(|e| (e[1], f32::from_bits(e[0]))).collect())
+    }
+
+    /// The rows a device-fed step of the GEMV path covers: the vocab split's share, or all.
+    fn split_rows(&self) -> (usize, usize) {
+        match &self.head_split {
+            Some(sp) => (sp.rows.start, sp.rows.len()),
+            None => (0, self.spec.vocab),
+        }
+    }
+
     /// Whether a device-fed step (greedy or not) takes the screened head.
     fn screens(&self, greedy: bool) -> bool {
-        let h = self.spec.hidden;
         greedy
-            && self.screen.is_some()
             && self.projection == Projection::Gemv
-            && h % 16 == 0
-            && h <= launch::HEAD_MAX_COLS
+            && self.screen.as_ref().is_some_and(|sc| sc.rows == self.vocab_rows())
     }
 
     /// Chooses how batch-1 projections run (default: [`Projection::Gemv`]).
@@ -984,12 +1025,13 @@ impl CudaDecodeRunner {
     /// decode step buffer (written by the caller, or by the previous device-fed step). The
     /// caller updates the sequence's length. Logits for the LM head rows `head` (`(start, len)`:
     /// all of them, or a vocab split's share), from the start of the logits buffer.
-    /// One decode pass of `seq`; `screened`: the screened head (which must be set up) instead of
-    /// the LM head's logits, over the same rows.
+    /// One decode pass of `seq` ending with the LM head's `rows` into the logits, or, with
+    /// `screened`, with the screened head (which must be set up, over those rows).
     fn forward_one(&mut self, seq: u64, rows: (usize, usize), screened: bool) -> Result<()> {
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         let head = match (&self.screen, screened) {
-            (Some(sc), true) => HeadJob::Screen(sc, rows),
+            (Some(sc), true) if sc.rows == rows => HeadJob::Screen(sc),
+            (Some(_), true) => return Err(Error::Internal("the screened head covers other rows".into())),
             (None, true) => return Err(Error::Internal("a screened step without the screened head".into())),
             (_, false) => HeadJob::Logits(&mut self.logits.buf, rows),
         };
@@ -1151,7 +1193,9 @@ impl CudaDecodeRunner {
         Ok(out)
     }
 
-    /// The logits of the last step (prefill or decode) on the device.
+    /// The logits of the last step (prefill or decode) on the device. A greedy device-fed step
+    /// with the screened head ([`set_screened_head`](Self::set_screened_head)) does not write
+    /// them: they are then an earlier step's.
     pub fn logits(&self) -> &DeviceLogits {
         &self.logits
     }
@@ -1246,6 +1290,14 @@ impl CudaDecodeRunner {
         self.check_step(seq, token, position)?;
         let step = [token, position as u32];
         self.k.stream.memcpy_htod(&step, &mut self.decode.step).map_err(Error::driver("uploading the step"))?;
+        if let Some(sc) = self.screen.as_mut() {
+            // A fresh hand-off state, whatever a step that failed between its screen and its
+            // pick left (the pick resets it after every step).
+            self.k
+                .stream
+                .memcpy_htod(&HEAD_STATE_INIT, &mut sc.state)
+                .map_err(Error::driver("resetting the screened head"))?;
+        }
         let s = self.seqs.get_mut(&seq).ok_or(Error::UnknownSequence(seq))?;
         s.len = position;
         self.fed = Some(seq);
@@ -1287,8 +1339,7 @@ impl CudaDecodeRunner {
         if let Some(sc) = self.screen.as_ref().filter(|_| screened) {
             // The screened head's pick (the list the forward pass's screen filled), then, under
             // a vocab split, the same exchange and pick as the argmax's.
-            let (state, list, out) =
-                (whole(&sc.state, st)?, region(&sc.list, st, 0, 2 * rn)?, whole(&self.argmax_out, st)?);
+            let (state, list, out) = (whole(&sc.state, st)?, whole(&sc.list, st)?, whole(&self.argmax_out, st)?);
             let Some(sp) = self.head_split.as_ref().filter(|_| rn < self.spec.vocab) else {
                 return self.k.head_pick(state, list, rn, out, Some(feed()?), None);
             };
@@ -2135,7 +2186,8 @@ fn forward(
     let hw = w.lm_head.as_ref().unwrap_or(&w.embed);
     let (logits, (r0, rn)) = match head {
         HeadJob::Logits(logits, rows) => (logits, rows),
-        HeadJob::Screen(sc, (r0, rn)) => {
+        HeadJob::Screen(sc) => {
+            let (r0, rn) = sc.rows;
             // The screened head reads the GEMV's input (and applies the final norm when the
             // GEMV would) and repeats its arithmetic for the rows it re-reads.
             if n != 1 || p != Projection::Gemv {
@@ -2147,7 +2199,7 @@ fn forward(
             } else {
                 (region(&a.y, st, 0, h)?, None)
             };
-            return k.head_screen(&sc.view(st, (r0, rn), h)?, head, input, norm, rn, h, s.vocab);
+            return k.head_screen(&sc.view(st)?, head, input, norm, rn, h, s.vocab);
         }
     };
     let (logits, head) = (region(logits, st, 0, rn)?, region(hw, st, r0 * h, rn * h)?);
