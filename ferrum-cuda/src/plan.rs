@@ -126,6 +126,12 @@ pub fn graph_steps(value: Option<&str>) -> crate::Result<usize> {
     Ok(knob("FERRUM_GRAPH_STEPS", value, 1, MAX_GRAPH_STEPS)?.unwrap_or(GRAPH_STEPS))
 }
 
+/// `FERRUM_SCREEN_HEAD`: `1` turns the screened LM head on for every new runner, `0` or unset
+/// leaves it off (`CudaDecodeRunner::set_screened_head`); anything else is an error.
+pub fn screen_head(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_SCREEN_HEAD", value, 0, 1)? == Some(1))
+}
+
 /// `steps` when it is a valid count of device-fed steps per captured graph,
 /// 1..=[`MAX_GRAPH_STEPS`], else an `InvalidArgument` error.
 pub fn check_graph_steps(steps: usize) -> crate::Result<usize> {
@@ -748,6 +754,13 @@ mod tests {
 
     #[test]
     fn knobs_refuse_bad_values() {
+        assert!(!screen_head(None).unwrap());
+        assert!(!screen_head(Some("0")).unwrap());
+        assert!(screen_head(Some(" 1 ")).unwrap());
+        for bad in ["2", "yes", "-1", ""] {
+            let e = screen_head(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_SCREEN_HEAD") && e.contains("0..=1"), "{bad:?}: {e}");
+        }
         assert_eq!(knob("FERRUM_ATTN_SPLITS", None, 1, MAX_SPLITS).unwrap(), None);
         assert_eq!(knob("FERRUM_ATTN_SPLITS", Some(" 12 "), 1, MAX_SPLITS).unwrap(), Some(12));
         for bad in ["0", "65", "-1", "six", ""] {

@@ -571,7 +571,7 @@ impl Kernels {
         let gemv_ks_shapes = crate::plan::gemv_ks_shapes(env("FERRUM_GEMV_KS_SHAPES")?.as_deref())?;
         let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
         let graph_steps = crate::plan::graph_steps(env("FERRUM_GRAPH_STEPS")?.as_deref())?;
-        let screen_head = knob("FERRUM_SCREEN_HEAD", 0, 1)? == Some(1);
+        let screen_head = crate::plan::screen_head(env("FERRUM_SCREEN_HEAD")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
