@@ -378,12 +378,21 @@ __device__ __forceinline__ uint32_t attn_merge_bytes(int n_splits, int hd) {
     return ((uint32_t)n_splits * (uint32_t)(hd + 2) * 4u + 15u) & ~15u;
 }
 
+// The folded q/k/v (RopeArgs::pre_x): elements of the residual each thread holds in registers
+// (4 warps: 640 of them, SmolLM2-135M's 576 with room; a wider residual loops over the rest).
+#define ATTN_PRE_REGS 5
+
 // What ferrum_attn_rope_* adds to the attention: rope_qkv's inputs and the cache to append to.
 template <typename T> struct RopeArgs {
     const T *bias, *q_norm, *k_norm;  // each may be null
     const float *inv_freq;
     T *k_out, *v_out;                 // the caches (k_cache / v_cache), written at row pos
     float eps;
+    // The folded q/k/v projection (misc.cu's fold_qkv; null in every other launch): the row is
+    // u, q/k/v before the scalar rn of the layer's RMSNorm, and pre_x (pre_n floats) is the
+    // residual r that rn normalises: rn = rsqrt(mean(r^2) + eps).
+    const float *pre_x;
+    int pre_n;
 };
 
 __device__ __forceinline__ float warp_max(float v) {
@@ -731,6 +740,16 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         RopeConsts kk = {bias, rope.k_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, kq.c, kq.sn};
         RopeConsts kv = {bias, false, false, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
         const float *row = q + (size_t)tok * q_stride;
+        // Folded (rope.pre_x): this thread's first ATTN_PRE_REGS elements of r, loaded into
+        // registers before the row's loads and used after them, so that both are one round trip
+        // (a loop that sums as it loads put a round trip of its own ahead of the row's: +1.2 us
+        // a layer at 135M, session 35 call 5's timeline).
+        float pv[ATTN_PRE_REGS];
+#pragma unroll
+        for (int j = 0; j < ATTN_PRE_REGS; ++j) {
+            const int c = threadIdx.x + j * blockDim.x;
+            pv[j] = rope.pre_x != nullptr && c < rope.pre_n ? rope.pre_x[c] : 0.0f;
+        }
         // The raw pairs of q, k and v and their constants, loaded together (k and v only where
         // needed).
         float qa = 0.0f, qb = 0.0f, ka = 0.0f, kb2 = 0.0f, va = 0.0f, vb2 = 0.0f;
@@ -761,6 +780,17 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
                     kk.nb = to_f(rope.k_norm[i + half]);
                 }
             }
+        }
+        if (rope.pre_x != nullptr) {
+            // u * rn: what the unfolded projection's GEMV gives (its acc * rn), up to rounding.
+            // Uniform over the block (every thread calls block_sum).
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < ATTN_PRE_REGS; ++j) ss = fmaf(pv[j], pv[j], ss);
+            for (int c = threadIdx.x + ATTN_PRE_REGS * blockDim.x; c < rope.pre_n; c += blockDim.x)
+                ss = fmaf(rope.pre_x[c], rope.pre_x[c], ss);  // wider residuals: the rest
+            const float rn = rsqrtf(block_sum(ss, s_red) / (float)rope.pre_n + rope.eps);
+            qa *= rn, qb *= rn, ka *= rn, kb2 *= rn, va *= rn, vb2 *= rn;
         }
         rope_head<T, HD>(s_q, qa, qb, kq, false, scale, rope.eps, s_red);  // q, scaled
         if (has_new) {
@@ -1542,9 +1572,9 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
-        const float *inv_freq, float eps) {                                                        \
+        const float *inv_freq, float eps, const float *pre_x, int pre_n) {                         \
         /* attn_impl runs FERRUM_PDL_ENTRY, after its early loads */                               \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
         attn<T, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, \
                       heads, kv_heads, hd, capacity, scale, rope);                                 \
     }                                                                                              \
@@ -1560,9 +1590,9 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
-        const float *inv_freq, float eps) {                                                        \
+        const float *inv_freq, float eps, const float *pre_x, int pre_n) {                         \
         /* attn_impl runs FERRUM_PDL_ENTRY, after its early copies */                              \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
         attn<T, true, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters,     \
                             pos_base, heads, kv_heads, hd, capacity, scale, rope);                 \
     }                                                                                              \
@@ -1600,10 +1630,10 @@ FERRUM_ATTN(bf16, bf16)
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
-        const T *k_norm, const float *inv_freq, float eps) {                                       \
+        const T *k_norm, const float *inv_freq, float eps, const float *pre_x, int pre_n) {        \
         __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
         extern __shared__ uint4 s_dyn[];                                                           \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
         const OArgs<T> no_o = {nullptr, nullptr, nullptr, nullptr, 0};                             \
         attn_impl<T, HD, true, EARLY, false>(qkv, q_stride, k_cache, v_cache, out, part_acc,       \
                                              part_ml, counters, pos_base, heads, kv_heads,         \

@@ -158,6 +158,10 @@ kernels! {
     HeadScreenNormBf16 => "ferrum_head_screen_norm_bf16" in "misc",
     /// The screened LM head's pick: the best re-read row becomes the token.
     HeadPick => "ferrum_head_pick" in "misc",
+    /// The folded q/k/v projection (misc.cu): a down projection that also gives the next
+    /// layer's q/k/v, built once.
+    FoldQkvF16 => "ferrum_fold_qkv_f16" in "misc",
+    FoldQkvBf16 => "ferrum_fold_qkv_bf16" in "misc",
     /// Hash-based uniform init (synthetic weights).
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",

@@ -132,6 +132,14 @@ pub fn screen_head(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_SCREEN_HEAD", value, 0, 1)? == Some(1))
 }
 
+/// `FERRUM_FOLD_QKV`: `1` folds the q/k/v projection into the previous layer's down projection
+/// for every new runner (`CudaDecodeRunner::set_folded_qkv`), `0` or unset leaves it off;
+/// anything else is an error. Off by default: at SmolLM2-135M, the one model whose shapes it
+/// might pay for, it measured +0.3% (session 35, within the bench's noise).
+pub fn fold_qkv(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_FOLD_QKV", value, 0, 1)? == Some(1))
+}
+
 /// `steps` when it is a valid count of device-fed steps per captured graph,
 /// 1..=[`MAX_GRAPH_STEPS`], else an `InvalidArgument` error.
 pub fn check_graph_steps(steps: usize) -> crate::Result<usize> {
@@ -754,6 +762,13 @@ mod tests {
 
     #[test]
     fn knobs_refuse_bad_values() {
+        assert!(!fold_qkv(None).unwrap());
+        assert!(!fold_qkv(Some("0")).unwrap());
+        assert!(fold_qkv(Some(" 1 ")).unwrap());
+        for bad in ["2", "yes", "-1", ""] {
+            let e = fold_qkv(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_FOLD_QKV"), "{e}");
+        }
         assert!(!screen_head(None).unwrap());
         assert!(!screen_head(Some("0")).unwrap());
         assert!(screen_head(Some(" 1 ")).unwrap());

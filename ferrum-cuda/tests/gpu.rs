@@ -396,9 +396,18 @@ fn build(a: Arch, dtype: DType, seed: u64) -> (CudaModelSpec, W, CudaDecodeRunne
 
 /// Prefill `prompt` tokens then `steps` greedy decode steps (tokens from the reference), checking
 /// every logits vector. Returns the worst relative error.
-fn check_against_ref(a: Arch, dtype: DType, proj: Projection, prompt: usize, steps: usize) -> Result<f64, String> {
+fn check_against_ref(
+    a: Arch,
+    dtype: DType,
+    proj: Projection,
+    fold: bool,
+    prompt: usize,
+    steps: usize,
+) -> Result<f64, String> {
     let (s, w, mut r) = build(a, dtype, 7 + prompt as u64);
     r.set_projection(proj);
+    // Every model of these tests has the two layers and the fused path the fold needs.
+    assert_eq!(r.set_folded_qkv(fold).unwrap(), fold, "{}: set_folded_qkv({fold})", a.name);
     let mut rf = Ref::new(&s, &w);
     let mut rng = Rng(99);
     let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
@@ -437,10 +446,10 @@ fn matches_cpu_reference_all_archs() {
         for tied in [false, true] {
             let a = Arch { tied, ..a };
             for dtype in [DType::BF16, DType::F16] {
-                for proj in [Projection::Gemv, Projection::Cublas] {
-                    match check_against_ref(a, dtype, proj, 100, 64) {
+                for (proj, fold) in [(Projection::Gemv, false), (Projection::Gemv, true), (Projection::Cublas, false)] {
+                    match check_against_ref(a, dtype, proj, fold, 100, 64) {
                         Ok(e) => println!(
-                            "REF {:<8} tied={tied:<5} {:<4} {proj:?}: max rel err {e:.2e} (tol {:.0e})",
+                            "REF {:<8} tied={tied:<5} {:<4} {proj:?} fold={fold:<5}: max rel err {e:.2e} (tol {:.0e})",
                             a.name,
                             dtype.name(),
                             tol(dtype)
@@ -455,6 +464,84 @@ fn matches_cpu_reference_all_archs() {
         }
     }
     assert!(failures.is_empty(), "{} configurations failed: {failures:#?}", failures.len());
+}
+
+/// The folded q/k/v projection (`set_folded_qkv`) against the unfolded step of the same
+/// runner: the logits after a prompt and greedy host-fed steps differ by rounding only (the
+/// folded matrix's rounding to the dtype), far inside the CPU reference tolerance; and the
+/// device-fed greedy tokens (one captured graph of steps) are the same in this test.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn folded_qkv_matches_the_unfolded_step() {
+    let mut failures = Vec::new();
+    for a in [LLAMA, MISTRAL, QWEN2, QWEN3] {
+        for tied in [false, true] {
+            let a = Arch { tied, layers: 3, ..a };
+            for dtype in [DType::BF16, DType::F16] {
+                let (s, _w, mut r) = build(a, dtype, 41);
+                let mut rng = Rng(5);
+                let prompt: Vec<u32> = (0..40).map(|_| rng.below(s.vocab)).collect();
+                let mut run = |fold: bool, seq: u64| -> Vec<Vec<f32>> {
+                    assert_eq!(r.set_folded_qkv(fold).unwrap(), fold);
+                    assert_eq!(r.folded_qkv(), fold);
+                    r.init_sequence(seq, 80).unwrap();
+                    r.prefill(seq, &prompt).unwrap();
+                    let mut l = Vec::new();
+                    r.logits_to_host(&mut l).unwrap();
+                    let mut out = vec![l.clone()];
+                    for i in 0..24 {
+                        r.decode_step(seq, argmax(&l), prompt.len() + i).unwrap();
+                        r.logits_to_host(&mut l).unwrap();
+                        out.push(l.clone());
+                    }
+                    r.release(seq).unwrap();
+                    out
+                };
+                let (plain, folded) = (run(false, 1), run(true, 2));
+                // Prefill runs unfolded in both: bit for bit.
+                assert_eq!(logit_bits(&plain[0]), logit_bits(&folded[0]), "{} prefill", a.name);
+                let worst = plain.iter().zip(&folded).map(|(p, f)| rel_err(f, p)).fold(0.0, f64::max);
+                let bound = tol(dtype) / 4.0;
+                println!(
+                    "FOLD {:<8} tied={tied:<5} {:<4}: max rel err folded vs unfolded {worst:.2e} (bound {bound:.0e})",
+                    a.name,
+                    dtype.name()
+                );
+                if worst.is_nan() || worst > bound {
+                    failures.push(format!("{} tied={tied} {dtype:?}: {worst:.3e}", a.name));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+/// Where the fold cannot run it is refused and nothing changes: one layer (no next layer to
+/// fold into), and an f16 model whose folded matrix overflows the dtype.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn folded_qkv_is_refused_where_it_cannot_run() {
+    let (_, _, mut r) = build(Arch { layers: 1, ..LLAMA }, DType::BF16, 3);
+    assert!(!r.set_folded_qkv(true).unwrap());
+    assert!(!r.folded_qkv());
+    // W_qkv and W_d with entries up to 120: many of M's entries (sums of 256 products up to
+    // 14400) overflow f16.
+    let a = Arch { layers: 2, ..MISTRAL };
+    let s = spec_of(a);
+    let mut w = random_weights(&s, DType::F16, 4);
+    for l in &mut w.layers {
+        for v in l.q.iter_mut().chain(l.down.iter_mut()) {
+            *v = DType::F16.round(*v * 1500.0);
+        }
+    }
+    let mut r = CudaDecodeRunner::new(s.clone(), &host_weights(&s, &w), DType::F16, 0, &mut |_, _| {}).unwrap();
+    assert!(!r.set_folded_qkv(true).unwrap(), "an overflowing fold must be refused");
+    assert!(!r.folded_qkv());
+    // The runner still decodes (unfolded).
+    r.init_sequence(1, 8).unwrap();
+    r.prefill(1, &[1, 2, 3]).unwrap();
+    r.decode_step(1, 4, 3).unwrap();
+    println!("FOLD refusals: one layer, f16 overflow");
 }
 
 #[test]
@@ -1018,7 +1105,7 @@ fn split_k_gemv_matches_reference() {
             assert!(choices.iter().any(|c| c.3.ends_with(w)), "{}: expected a split {w} among {choices:?}", a.name);
         }
         for dtype in [DType::BF16, DType::F16] {
-            match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
+            match check_against_ref(a, dtype, Projection::Gemv, false, 40, 16) {
                 Ok(e) => println!("SPLITK {} {}: max rel err {e:.2e} (tol {:.0e})", a.name, dtype.name(), tol(dtype)),
                 Err(m) => failures.push(m),
             }
@@ -1208,7 +1295,7 @@ fn short_row_lm_head_matches_reference() {
             "hidden {hidden}: expected the LM head to take {lanes} lanes: {choices:?}"
         );
         for dtype in [DType::BF16, DType::F16] {
-            match check_against_ref(a, dtype, Projection::Gemv, 40, 16) {
+            match check_against_ref(a, dtype, Projection::Gemv, false, 40, 16) {
                 Ok(e) => {
                     println!("LANES hidden {hidden} {}: max rel err {e:.2e} (tol {:.0e})", dtype.name(), tol(dtype))
                 }

@@ -31,6 +31,14 @@
 // screened head) is the 8-row form. Call 11 ran the integer form below (dp4a, the input as 16
 // bits): slower, 99-101 us at 1B and 168-173 at 8B (`call11-screened-head-dp4a.txt`), so the
 // screen is not limited by its instructions.
+//
+// Session 35 (calls 1-3, `docs/bench/2026-12-02-session35/call{1,2,3}-*.txt`) added the
+// tensor-core forms (screen_mma: a tile-major copy whose 512-byte blocks are mma.sync.m16n8k32 A
+// fragments, the input as two signed bytes; its layout is checked against the host's integer
+// sums first), deferred re-reads (a second kernel) and the pure stream of the copy: 1B 83 us at
+// best against 88 for the 8-row form, 8B no gain, deferred re-reads slower, and the copy alone
+// streams in 70.4 us at 1B (3.7 TB/s). `main()` runs the 8-row form, the layout check, these
+// forms and the streams (with `all`, also the slower forms of sessions 33 and 34).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -384,6 +392,198 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
     }
 }
+// The tensor-core form (session 35): the int8 copy in a tile-major order, 16 rows a tile, each
+// 32-column block of a tile 512 bytes laid out as mma.sync.m16n8k32's A fragments (lane l's 16
+// bytes: a0 = row g, cols 4t..4t+3; a1 = row g + 8, same cols; a2, a3 = cols 16 + 4t.., g = l / 4,
+// t = l % 4), so a warp streams its tiles as one run of 16-byte loads and one mma.sync covers 512
+// weights. The input is quantized once a block to 15 bits, X = rint(x / s_x), s_x = max|x| /
+// 16384, split X = 256 H + L (H in [-64, 64], L in [-128, 127], both signed bytes) as the B
+// fragment's columns 0 (H) and 1 (L) (lanes 0-3 and 4-7; the other columns zero), so a row's
+// exact integer sum q . X = 256 D[row][0] + D[row][1]. The bound: as the dp4a form's (127 s_i ex
+// for the input's rounding, ex = sum |x - s_x X| rounded up), with the value s_i s_x (q . X)
+// bracketed in double by directed rounding (no u |s^| term).
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint4 &a, const uint2 &b) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b.x), "r"(b.y));
+}
+// The byte offset of weight (r, c) in the tile-major copy (K % 32 == 0).
+inline size_t tile_off(int r, int c, int K) {
+    const int T = r / 16, rr = r % 16, kb = c / 32, cc = c % 32;
+    const int g = rr & 7, h8 = rr >> 3, half = cc >> 4, t = (cc & 15) >> 2, e = cc & 3;
+    return ((size_t)T * (K / 32) + kb) * 512 + (size_t)(g * 4 + t) * 16 + (half * 2 + h8) * 4 + e;
+}
+template <int D, bool EARLY, bool DEFER = false>
+__global__ void __launch_bounds__(WARPS * 32, D <= 8 ? 4 : 2)
+    screen_mma(const int8_t *qt, const float *scale, const float *coef, const __nv_bfloat16 *w, const float *x, int V, int K,
+               int *floor_ord, Entry *list, int *count) {
+    extern __shared__ uint2 sb[];  // [K / 32][8]: lanes 0-3 H, 4-7 L
+    __shared__ float s_red[3][WARPS];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nkb = K / 32;
+    const int tiles = (V + 15) / 16, nw = gridDim.x * WARPS, T0 = blockIdx.x * WARPS + wid;
+    const uint4 *q4 = reinterpret_cast<const uint4 *>(qt);
+    // EARLY: the first tile's first D loads before the input's quantization (they do not need it).
+    uint4 pre[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+        pre[d] = EARLY && T0 < tiles && d < nkb ? __ldg(q4 + ((size_t)T0 * nkb + d) * 32 + lane) : make_uint4(0, 0, 0, 0);
+    float mx = 0.0f;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) s_red[0][wid] = mx;
+    __syncthreads();
+    mx = 0.0f;
+    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, s_red[0][i]);
+    float sx = mx / 16384.0f;
+    if (!(sx > 0.0f) || !(sx <= 3.4e38f)) sx = 1.0f;
+    const float inv = 1.0f / sx;  // X need not be x / s_x rounded exactly: ex measures what it is
+    float l1 = 0.0f, ex = 0.0f;
+    unsigned *sbw = reinterpret_cast<unsigned *>(sb);
+    for (int m = threadIdx.x; m < K / 4; m += blockDim.x) {
+        const float4 v = __ldg(reinterpret_cast<const float4 *>(x) + m);
+        const float xv[4] = {v.x, v.y, v.z, v.w};
+        unsigned hw = 0, lw = 0;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            const int X = max(-16384, min(16384, __float2int_rn(xv[t] * inv)));
+            const int H = (X + 128) >> 8, L = X - 256 * H;
+            hw |= (unsigned)(H & 0xff) << (8 * t);
+            lw |= (unsigned)(L & 0xff) << (8 * t);
+            l1 = __fadd_ru(l1, fabsf(xv[t]));
+            ex = __fadd_ru(ex, __fmaf_ru(fabsf(fmaf(-sx, (float)X, xv[t])), 1.0f + 2.0f * U, 1.401298464e-45f));
+        }
+        const int kb = m / 8, within = m % 8, half = within >> 2, t = within & 3;
+        sbw[(kb * 8 + t) * 2 + half] = hw;
+        sbw[(kb * 8 + 4 + t) * 2 + half] = lw;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l1 = __fadd_ru(l1, __shfl_xor_sync(0xffffffffu, l1, o)), ex = __fadd_ru(ex, __shfl_xor_sync(0xffffffffu, ex, o));
+    if (lane == 0) s_red[1][wid] = l1, s_red[2][wid] = ex;
+    __syncthreads();
+    l1 = 0.0f, ex = 0.0f;
+    for (int i = 0; i < WARPS; ++i) l1 = __fadd_ru(l1, s_red[1][i]), ex = __fadd_ru(ex, s_red[2][i]);
+    const float tiny = (K + 2) * 1.401298464e-45f;
+    // The first tile's prefetched chunks, consumed here (peeled), so that they are dead in the loop.
+    int acc[2][4] = {};
+    if (EARLY && T0 < tiles) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {
+            if (d >= nkb) break;
+            mma_s8(acc[d & 1], pre[d], lane < 8 ? sb[d * 8 + lane] : make_uint2(0, 0));
+        }
+    }
+    for (int T = T0; T < tiles; T += nw) {
+        const uint4 *base = q4 + (size_t)T * nkb * 32 + lane;
+        for (int k0 = EARLY && T == T0 ? D : 0; k0 < nkb; k0 += D) {
+            uint4 a[D];
+#pragma unroll
+            for (int d = 0; d < D; ++d) a[d] = k0 + d < nkb ? __ldg(base + (size_t)(k0 + d) * 32) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int d = 0; d < D; ++d) {
+                if (k0 + d >= nkb) break;
+                const uint2 b = lane < 8 ? sb[(k0 + d) * 8 + lane] : make_uint2(0, 0);
+                mma_s8(acc[d & 1], a[d], b);
+            }
+        }
+        // Lanes 4g (t = 0) own rows 16 T + g (acc[.][0] = H sum, [1] = L sum) and 16 T + g + 8 ([2], [3]).
+        float up[2] = {-INFINITY, -INFINITY}, lo = -INFINITY;
+        if ((lane & 3) == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = T * 16 + (lane >> 2) + 8 * h;
+                if (r >= V) continue;
+                const long long Dq = 256ll * (acc[0][2 * h] + acc[1][2 * h]) + (acc[0][2 * h + 1] + acc[1][2 * h + 1]);
+                const float si = scale[r];
+                const double sd = (double)si * (double)sx, dd = (double)Dq;
+                const float b = __fadd_ru(__fadd_ru(__fmul_ru(coef[r], l1), __fmul_ru(__fmul_ru(127.0f, si), ex)), tiny);
+                const float l = __double2float_rd(__dsub_rd(__dmul_rd(sd, dd), (double)b));
+                up[h] = __double2float_ru(__dadd_ru(__dmul_ru(sd, dd), (double)b));
+                lo = fmaxf(lo, l);
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) lo = fmaxf(lo, __shfl_xor_sync(0xffffffffu, lo, o));
+        int f = 0;
+        if (lane == 0) f = max(atomicMax(floor_ord, ord(lo)), ord(lo));
+        const float fl = unord(__shfl_sync(0xffffffffu, f, 0));
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            unsigned m = __ballot_sync(0xffffffffu, up[h] >= fl);
+            while (m) {
+                const int l = __ffs(m) - 1;
+                m &= m - 1;
+                const int r = T * 16 + (l >> 2) + 8 * h;
+                const float ul = __shfl_sync(0xffffffffu, up[h], l);
+                const float e = DEFER ? NAN : exact_row(w, x, K, r, lane);
+                if (lane == 0) {
+                    const int at = atomicAdd(count, 1);
+                    if (at < V) list[at] = Entry{e, ul, r, 0};
+                }
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i / 4][i % 4] = 0;
+    }
+}
+// DEFER's second kernel: every list entry whose upper bound reaches the final floor re-read (a
+// warp an entry, grid-stride), its logit written in place; the others marked with -inf.
+__global__ void reread(const __nv_bfloat16 *w, const float *x, int K, Entry *list, const int *count, const int *floor_ord) {
+    const float fl = unord(*floor_ord);
+    const int n = *count, lane = threadIdx.x & 31;
+    for (int e = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5); e < n; e += gridDim.x * (blockDim.x / 32)) {
+        const Entry en = list[e];
+        const float l = en.upper >= fl ? exact_row(w, x, K, en.row, lane) : -INFINITY;
+        if (lane == 0) list[e].logit = l;
+    }
+}
+// A pure stream of the copy's bytes (each warp a run of 16-byte loads, D in flight; XOR kept so
+// the loads stay): the ceiling for any screen of this copy.
+template <int D>
+__global__ void __launch_bounds__(256) stream_only(const uint4 *q, size_t n16, unsigned *sink) {
+    const size_t nw = (size_t)gridDim.x * 8, gw = blockIdx.x * 8 + (threadIdx.x >> 5);
+    const size_t per = (n16 / 32 + nw - 1) / nw;  // 512-byte units a warp
+    const int lane = threadIdx.x & 31;
+    unsigned acc = 0;
+    for (size_t u0 = gw * per; u0 < min((gw + 1) * per, n16 / 32); u0 += D) {
+        uint4 a[D];
+#pragma unroll
+        for (int d = 0; d < D; ++d) a[d] = u0 + d < min((gw + 1) * per, n16 / 32) ? __ldg(q + (u0 + d) * 32 + lane) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int d = 0; d < D; ++d) acc ^= a[d].x ^ a[d].y ^ a[d].z ^ a[d].w;
+    }
+    if (acc == 0x12345678u) *sink = acc;
+}
+// A check of the tensor-core form's fragment layout: each row's integer sum q . X from the
+// device (the same loads and mma as screen_mma) against the host's.
+__global__ void mma_sums(const int8_t *qt, const float *x, int V, int K, float sx, long long *out) {
+    extern __shared__ uint2 sb[];
+    const int lane = threadIdx.x & 31, nkb = K / 32;
+    unsigned *sbw = reinterpret_cast<unsigned *>(sb);
+    for (int m = threadIdx.x; m < K / 4; m += blockDim.x) {
+        unsigned hw = 0, lw = 0;
+        for (int t = 0; t < 4; ++t) {
+            const int X = max(-16384, min(16384, __float2int_rn(x[4 * m + t] / sx)));
+            const int H = (X + 128) >> 8, L = X - 256 * H;
+            hw |= (unsigned)(H & 0xff) << (8 * t);
+            lw |= (unsigned)(L & 0xff) << (8 * t);
+        }
+        const int kb = m / 8, within = m % 8, half = within >> 2, t = within & 3;
+        sbw[(kb * 8 + t) * 2 + half] = hw;
+        sbw[(kb * 8 + 4 + t) * 2 + half] = lw;
+    }
+    __syncthreads();
+    const int T = blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (T * 16 >= V) return;
+    int acc[4] = {};
+    for (int kb = 0; kb < nkb; ++kb)
+        mma_s8(acc, __ldg(reinterpret_cast<const uint4 *>(qt) + ((size_t)T * nkb + kb) * 32 + lane), lane < 8 ? sb[kb * 8 + lane] : make_uint2(0, 0));
+    if ((lane & 3) == 0)
+        for (int h = 0; h < 2; ++h) {
+            const int r = T * 16 + (lane >> 2) + 8 * h;
+            if (r < V) out[r] = 256ll * acc[2 * h] + acc[2 * h + 1];
+        }
+}
 __global__ void pick(const Entry *list, const int *count, const int *floor_ord, int *out) {
     const float fl = unord(*floor_ord);
     const int n = min(*count, 1 << 30);
@@ -402,6 +602,8 @@ __global__ void reset(int *floor_ord, int *count) {
 int main(int argc, char **argv) {
     // `persistent`: also session 34 call 2's persistent forms.
     const bool persistent_forms = argc > 1 && std::strcmp(argv[1], "persistent") == 0;
+    // `all`: also the slower forms of session 33 and 34 (the engine's 8-row form always runs).
+    const bool all_forms = argc > 1 && std::strcmp(argv[1], "all") == 0;
     struct Shape {
         const char *name;
         int V, K;
@@ -505,10 +707,12 @@ int main(int argc, char **argv) {
             std::printf("   screened, %-34s %.2f us (%.2fx, int8 %.0f MB at %.2f TB/s); token %d%s; list %d, kept %ld\n", what, ts, tf / ts,
                         (double)V * K / 1e6, (double)V * K / (ts * 1e-6) / 1e12, tok, tok == tok0 ? "" : " (DIFFERS)", cnt, kept);
         };
-        report("2 rows a warp (call 15's form):", screened_with(screen<2, false>, 2));
-        report("2 rows a warp, fast:", screened_with(screen<2, true>, 2));
-        report("4 rows a warp, fast:", screened_with(screen<4, true>, 4));
-        report("8 rows a warp, fast:", screened_with(screen<8, true>, 8));
+        if (all_forms) {
+            report("2 rows a warp (call 15's form):", screened_with(screen<2, false>, 2));
+            report("2 rows a warp, fast:", screened_with(screen<2, true>, 2));
+            report("4 rows a warp, fast:", screened_with(screen<4, true>, 4));
+        }
+        report("8 rows a warp, fast (session 34's):", screened_with(screen<8, true>, 8));
         // The persistent forms: blocks a multiprocessor x the multiprocessors.
         int sms;
         CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -524,9 +728,93 @@ int main(int argc, char **argv) {
         }
         // The integer forms: dynamic shared memory 2 K bytes (h and l words).
         auto dp4a = [&](auto kern, int sr) { return launch_form(kern, (V + WARPS * sr - 1) / (WARPS * sr), 2 * K); };
-        report("dp4a, 4 rows a warp:", dp4a(screen_dp4a<4>, 4));
-        report("dp4a, 8 rows a warp:", dp4a(screen_dp4a<8>, 8));
-        report("dp4a, 16 rows a warp:", dp4a(screen_dp4a<16>, 16));
+        if (all_forms) {
+            report("dp4a, 4 rows a warp:", dp4a(screen_dp4a<4>, 4));
+            report("dp4a, 8 rows a warp:", dp4a(screen_dp4a<8>, 8));
+            report("dp4a, 16 rows a warp:", dp4a(screen_dp4a<16>, 16));
+        }
+        // The tensor-core forms (session 35): the tile-major copy, its layout checked first
+        // against the host's integer sums, then timed with D loads in flight a lane, a persistent
+        // grid of `per_sm` blocks a multiprocessor (dynamic shared memory: the B fragments, 2 K bytes).
+        {
+            const int tiles = (V + 15) / 16;
+            std::vector<int8_t> hqt((size_t)tiles * 16 * K, 0);
+            for (int r = 0; r < V; ++r)
+                for (int c = 0; c < K; ++c) hqt[tile_off(r, c, K)] = hq[(size_t)r * K + c];
+            CHECK(cudaMemcpy(dq, hqt.data(), (size_t)V * K, cudaMemcpyHostToDevice));  // V % 16 == 0 here
+            float mx = 0.0f;
+            for (float v : hx) mx = std::max(mx, std::fabs(v));
+            const float sx = mx / 16384.0f;
+            long long *dsum;
+            CHECK(cudaMalloc(&dsum, (size_t)V * 8));
+            mma_sums<<<(tiles + 7) / 8, 256, 2 * K>>>(dq, dx, V, K, sx, dsum);
+            std::vector<long long> hsum(V);
+            CHECK(cudaMemcpy(hsum.data(), dsum, (size_t)V * 8, cudaMemcpyDeviceToHost));
+            int bad = 0;
+            for (int r = 0; r < V; ++r) {
+                long long ref = 0;
+                for (int c = 0; c < K; ++c)
+                    ref += (long long)hq[(size_t)r * K + c] * std::max(-16384, std::min(16384, (int)std::nearbyint(hx[c] / sx)));
+                if (ref != hsum[r] && bad++ < 4) std::printf("   mma layout: row %d sum %lld, host %lld\n", r, hsum[r], ref);
+            }
+            std::printf("   mma layout check: %d of %d rows differ from the host's integer sums\n", bad, V);
+            CHECK(cudaFree(dsum));
+            auto mma = [&](auto kern, int per_sm) {
+                return [=] {
+                    reset<<<1, 1>>>(dfloor, dcount);
+                    kern<<<sms * per_sm, WARPS * 32, 2 * K>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                    pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+                };
+            };
+            // Call 1 (session 35): 4, 8 or 16 in flight, 2 or 4 blocks a SM, no early loads: 83-88 us
+            // at 1B (16 in flight best), 148-168 at 8B (the 8-row form 144).
+            report("mma, 8 in flight, 4 a SM:", mma(screen_mma<8, false>, 4));
+            report("mma, 16 in flight, 2 a SM:", mma(screen_mma<16, false>, 2));
+            report("mma early, 8 in flight, 4 a SM:", mma(screen_mma<8, true>, 4));
+            report("mma early, 16 in flight, 2 a SM:", mma(screen_mma<16, true>, 2));
+            // A tile a warp (no persistent loop): grid = tiles / 8 blocks.
+            const int one = (tiles + WARPS - 1) / WARPS;
+            auto mma1 = [&](auto kern) {
+                return [=] {
+                    reset<<<1, 1>>>(dfloor, dcount);
+                    kern<<<one, WARPS * 32, 2 * K>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                    pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+                };
+            };
+            report("mma early, 8 in flight, a tile a warp:", mma1(screen_mma<8, true>));
+            report("mma early, 16 in flight, a tile a warp:", mma1(screen_mma<16, true>));
+            report("mma, 8 in flight, a tile a warp:", mma1(screen_mma<8, false>));
+            // Deferred re-reads: the screen appends (row, upper bound) only; a second kernel (132 x 8
+            // warps) re-reads the entries that reach the final floor; then the pick.
+            auto mmad = [&](auto kern) {
+                return [=] {
+                    reset<<<1, 1>>>(dfloor, dcount);
+                    kern<<<one, WARPS * 32, 2 * K>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                    reread<<<sms, 256>>>(dw, dx, K, dlist, dcount, dfloor);
+                    pick<<<1, 1024>>>(dlist, dcount, dfloor, dout + 1);
+                };
+            };
+            report("mma early 16, a tile a warp, deferred:", mmad(screen_mma<16, true, true>));
+            report("mma early 8, a tile a warp, deferred:", mmad(screen_mma<8, true, true>));
+            // The screen alone, no re-read (the token is not checked: the list has no logits).
+            auto mmas = [&](auto kern) {
+                return [=] {
+                    reset<<<1, 1>>>(dfloor, dcount);
+                    kern<<<one, WARPS * 32, 2 * K>>>(dq, ds, dc, dw, dx, V, K, dfloor, dlist, dcount);
+                };
+            };
+            std::printf("   screen kernel alone (mma early 16, a tile a warp, + reset): %.2f us\n", timed(mmas(screen_mma<16, true, true>)));
+            unsigned *dsink;
+            CHECK(cudaMalloc(&dsink, 4));
+            const size_t n16 = (size_t)V * K / 16;
+            for (int per_sm : {4, 8}) {
+                const float ts = timed([=] { stream_only<8><<<sms * per_sm, 256>>>(reinterpret_cast<const uint4 *>(dq), n16, dsink); });
+                std::printf("   pure stream of the copy, 8 in flight, %d blocks a SM: %.2f us (%.2f TB/s)\n", per_sm, ts, (double)V * K / (ts * 1e-6) / 1e12);
+            }
+            const float tb = timed([=] { stream_only<8><<<sms * 8, 256>>>(reinterpret_cast<const uint4 *>(dw), n16 * 2, dsink); });
+            std::printf("   pure stream of the bf16 head, 8 in flight, 8 blocks a SM: %.2f us (%.2f TB/s)\n", tb, (double)V * K * 2 / (tb * 1e-6) / 1e12);
+            CHECK(cudaFree(dsink));
+        }
         CHECK(cudaFree(dw));
         CHECK(cudaFree(dq));
         CHECK(cudaFree(ds));

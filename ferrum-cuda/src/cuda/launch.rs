@@ -130,6 +130,9 @@ const HEAD_ROWS_PER_BLOCK: usize = 64;
 /// (misc.cu's xs_at), within the default 48 KiB allowance.
 pub(crate) const HEAD_MAX_COLS: usize = 8192;
 
+/// The widest hidden size the folded q/k/v projection's builder takes (its shared memory).
+pub(crate) const FOLD_MAX_HIDDEN: usize = 8192;
+
 /// The screened LM head's buffers for one step (misc.cu; `CudaDecodeRunner::set_screened_head`):
 /// the int8 copy of the rows a step covers, their scales and bound coefficients, the overflow
 /// guard `(1 + gamma) max |w|` rounded up, the hand-off state (floor, count) and the list (a
@@ -281,6 +284,9 @@ pub(crate) struct AttnRope<'a> {
     pub k_norm: Region<'a, u16>,
     pub inv_freq: Region<'a, f32>,
     pub eps: f32,
+    /// The folded q/k/v projection (misc.cu's fold_qkv; null otherwise): the row is u, q/k/v
+    /// before the layer's RMSNorm scalar, and this is the residual `[hidden]` it normalises.
+    pub pre: Region<'a, f32>,
     /// Copy the split's past K/V rows to shared memory before the programmatic-launch wait
     /// (`plan::attn_warps` says when; the launch then gets `plan::attn_dyn_bytes` of dynamic
     /// shared memory).
@@ -389,6 +395,9 @@ pub(crate) struct Kernels {
     /// `FERRUM_SCREEN_HEAD=1`: every new runner turns the screened head on
     /// (`CudaDecodeRunner::set_screened_head`; default off).
     pub(crate) screen_head: bool,
+    /// `FERRUM_FOLD_QKV=1`: every new runner folds the q/k/v projection
+    /// (`CudaDecodeRunner::set_folded_qkv`; default off).
+    pub(crate) fold_qkv: bool,
     /// `FERRUM_ATTN_SPLITS`: a fixed KV split count for every new sequence (else chosen from
     /// the capacity).
     pub(crate) attn_splits: Option<usize>,
@@ -572,6 +581,7 @@ impl Kernels {
         let gemv_tie = crate::plan::gemv_tie_permille(env("FERRUM_GEMV_TIE")?.as_deref())?;
         let graph_steps = crate::plan::graph_steps(env("FERRUM_GRAPH_STEPS")?.as_deref())?;
         let screen_head = crate::plan::screen_head(env("FERRUM_SCREEN_HEAD")?.as_deref())?;
+        let fold_qkv = crate::plan::fold_qkv(env("FERRUM_FOLD_QKV")?.as_deref())?;
         let gemv_warps_per_sm = crate::plan::gemv_warps_per_sm(env("FERRUM_GEMV_WARPS_PER_SM")?.as_deref())?;
         let gemv_lanes = crate::plan::gemv_lanes(env("FERRUM_GEMV_LANES")?.as_deref())?;
         let attn_tc_min_capacity = crate::plan::attn_tc_min_capacity(env("FERRUM_ATTN_TC_MIN_CAPACITY")?.as_deref())?;
@@ -656,6 +666,7 @@ impl Kernels {
             gemv_tie,
             graph_steps,
             screen_head,
+            fold_qkv,
             gemv_warps_per_sm,
             ?gemv_lanes,
             attn_tc_min_capacity,
@@ -687,6 +698,7 @@ impl Kernels {
             gemv_tie,
             graph_steps,
             screen_head,
+            fold_qkv,
             gemv_warps_per_sm,
             gemv_lanes,
             attn_tc_min_capacity,
@@ -1071,6 +1083,8 @@ impl Kernels {
                     r.k_norm.opt(head_dim, "attn rope k_norm")?,
                     r.inv_freq.need(head_dim / 2, "attn rope inv_freq")?,
                     r.eps,
+                    r.pre.opt(r.pre.len, "attn folded residual")?,
+                    i32_of(r.pre.len, "folded residual")?,
                 ))
             }
         };
@@ -1132,8 +1146,14 @@ impl Kernels {
         let mut b = self.builder(kernel);
         b.arg(&pq).arg(&qs).arg(&pk).arg(&pv).arg(&po).arg(&pa).arg(&pm).arg(&pc).arg(&ppos);
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
-        if let Some((bias, qn, kn, freq, eps)) = &rope_args {
+        if let Some((bias, qn, kn, freq, eps, pre, pre_n)) = &rope_args {
             b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
+            // The `_o` kernels have no folded form (their parameters end at the o projection's).
+            if o_args.is_none() {
+                b.arg(pre).arg(pre_n);
+            } else if *pre != 0 {
+                return Err(Error::Internal("attn: the o fusion with a folded q/k/v".into()));
+            }
         }
         if let Some((wo, x, part, ticket, hidden)) = &o_args {
             b.arg(wo).arg(x).arg(part).arg(ticket).arg(hidden);
@@ -1180,7 +1200,10 @@ impl Kernels {
         // block 0's merged row in its own static shared memory (st.async within the cluster),
         // writes part[h][those rows] and increments ticket[j] (j < n_splits <=
         // ATTN_MAX_CLUSTER); the last of the `heads` blocks of row range j reads part[*][its
-        // rows] and reads and writes x[its rows] (extents checked above).
+        // rows] and reads and writes x[its rows] (extents checked above). With a non-null
+        // `pre` (the folded q/k/v; rope kernels without `o` only, checked above: their extra
+        // parameters (const f32*, int) follow eps), every block reads pre[0 .. pre_n), pre_n
+        // being the region's own length.
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
@@ -1727,6 +1750,44 @@ impl Kernels {
         // checked above; signature (const T*, int, int, int8*, f32*, f32*, int*) matches.
         unsafe { b.launch(cfg((grid1(rows.div_ceil(8).min(65535))?, 1, 1), 256)) }
             .map_err(Error::driver("head_quantize"))
+    }
+
+    /// The folded q/k/v projection's matrix (misc.cu's fold_qkv): from a layer's down
+    /// projection `wd` (`hidden x inter`) and the next layer's q/k/v `wqkv` (`qkv x hidden`) and
+    /// input norm weight `n1`, `out` (`(hidden + qkv) x (inter + hidden)`) =
+    /// `[W_d | I; W_qkv diag(n1) W_d | W_qkv diag(n1)]`; sets `bad[0]` (which must hold 0
+    /// before) if an entry is not finite in the dtype.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fold_qkv(
+        &self,
+        wd: Region<'_, u16>,
+        wqkv: Region<'_, u16>,
+        n1: Region<'_, u16>,
+        hidden: usize,
+        inter: usize,
+        qkv: usize,
+        out: Region<'_, u16>,
+        bad: Region<'_, i32>,
+    ) -> Result<()> {
+        if hidden > FOLD_MAX_HIDDEN {
+            return Err(Error::Internal(format!("fold_qkv: hidden {hidden} > {FOLD_MAX_HIDDEN}")));
+        }
+        let rows = hidden + qkv;
+        let n = rows.checked_mul(inter + hidden).ok_or_else(|| Error::Internal("fold size overflows".into()))?;
+        let (pd, pq, pn) =
+            (wd.need(hidden * inter, "fold W_d")?, wqkv.need(qkv * hidden, "fold W_qkv")?, n1.need(hidden, "fold n1")?);
+        let (po, pb) = (out.need(n, "fold out")?, bad.need(1, "fold bad")?);
+        let (h, i, q) = (i32_of(hidden, "hidden")?, i32_of(inter, "inter")?, i32_of(qkv, "qkv")?);
+        let mut b = self.builder(pick(self.dtype, Kernel::FoldQkvF16, Kernel::FoldQkvBf16));
+        b.arg(&pd).arg(&pq).arg(&pn).arg(&h).arg(&i).arg(&q).arg(&po).arg(&pb);
+        let mut c = cfg((grid1(rows)?, 1, 1), 256);
+        c.shared_mem_bytes = (hidden * 4) as u32;
+        // SAFETY: block r (< hidden + qkv) writes row r of out ((inter + hidden) entries) and
+        // reads W_d (hidden x inter), W_qkv's row r - hidden (hidden) and n1 (hidden): extents
+        // checked above; its dynamic shared memory holds hidden floats (hidden <=
+        // FOLD_MAX_HIDDEN: 32 KiB, within the default 48); bad[0] by an atomic OR. Signature
+        // (const T* x3, int x3, T*, int*) matches.
+        unsafe { b.launch(c) }.map_err(Error::driver("fold_qkv"))
     }
 
     /// The screened head's screen over rows `base .. base + rows` of the head (`w`, `hs`'s

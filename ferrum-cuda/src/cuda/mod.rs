@@ -246,6 +246,10 @@ struct Weights {
     final_norm: CudaSlice<u16>,
     /// `None`: tied to `embed`.
     lm_head: Option<CudaSlice<u16>>,
+    /// The folded q/k/v projection ([`CudaDecodeRunner::set_folded_qkv`]; misc.cu's fold_qkv):
+    /// for each layer but the last, its down projection with the next layer's q/k/v,
+    /// `[(hidden + qkv) x (inter + hidden)]`.
+    fold: Option<Vec<CudaSlice<u16>>>,
 }
 
 /// The screened LM head's device buffers ([`CudaDecodeRunner::set_screened_head`]; misc.cu):
@@ -321,6 +325,17 @@ struct Acts {
     /// ticket counter per row range (`plan::ATTN_MAX_CLUSTER`, zero between launches).
     part_o: CudaSlice<f32>,
     o_ticket: CudaSlice<u32>,
+    /// The folded q/k/v projection's activations (one token): two buffers of
+    /// [`fold_stride`] floats, `[h (inter) | x (hidden) | u (qkv)]`; layer `l` uses buffer
+    /// `l % 2` (its residual x, its MLP's h, and u, its q/k/v before the norm's scalar, written
+    /// by the previous layer's down projection) and its down projection reads `[h | x]` and
+    /// writes the other buffer's `[x | u]`.
+    fold: CudaSlice<f32>,
+}
+
+/// Floats in one of [`Acts::fold`]'s two buffers.
+fn fold_stride(s: &CudaModelSpec) -> usize {
+    s.intermediate + s.hidden + s.qkv_dim()
 }
 
 impl Acts {
@@ -349,6 +364,7 @@ impl Acts {
             attn_counters: alloc::<u32>(ctx, stream, s.heads, "attention split counters")?,
             part_o: alloc::<f32>(ctx, stream, s.heads * s.hidden, "o projection partials")?,
             o_ticket: alloc::<u32>(ctx, stream, crate::plan::ATTN_MAX_CLUSTER, "o projection tickets")?,
+            fold: a(2 * fold_stride(s), "activations (folded q/k/v)")?,
         })
     }
 }
@@ -616,7 +632,7 @@ impl CudaDecodeRunner {
         }
         let final_norm = up.upload(&[("final_norm", &weights.final_norm)], "final norm")?;
         let lm_head = weights.lm_head.as_ref().map(|t| up.upload(&[("lm_head", t)], "lm head")).transpose()?;
-        let w = Weights { embed, layers, final_norm, lm_head };
+        let w = Weights { embed, layers, final_norm, lm_head, fold: None };
         Self::finish(spec, ctx, k, w, sms)
     }
 
@@ -728,7 +744,7 @@ impl CudaDecodeRunner {
         let final_norm = gen(&[vec(h, tseed(0, 2))], "final norm", 1.0, NORM_HALF_WIDTH)?;
         let lm_head =
             if f.tied_embeddings { None } else { Some(gen(&[rows(f.vocab, h, 0, tseed(0, 3))], "lm head", 0.0, mat)?) };
-        let w = Weights { embed, layers, final_norm, lm_head };
+        let w = Weights { embed, layers, final_norm, lm_head, fold: None };
         Self::finish(spec, ctx, k, w, sms)
     }
 
@@ -774,6 +790,9 @@ impl CudaDecodeRunner {
         if r.k.screen_head {
             r.set_screened_head(true)?;
         }
+        if r.k.fold_qkv {
+            r.set_folded_qkv(true)?;
+        }
         Ok(r)
     }
 
@@ -797,6 +816,10 @@ impl CudaDecodeRunner {
     pub fn set_reducer(&mut self, reducer: Box<dyn Reducer>) {
         self.reducer = reducer;
         self.generation += 1;
+        if !self.reducer.is_identity() {
+            // A TP rank's step has no fused norms, so the folded q/k/v would never run.
+            self.w.fold = None;
+        }
     }
     /// Splits the LM head of device-fed steps over `world` tensor-parallel ranks, this runner
     /// being rank `rank` (`world` 1: no split, the default). Each rank then computes the logits
@@ -917,6 +940,87 @@ impl CudaDecodeRunner {
     /// Whether the screened head is on ([`set_screened_head`](Self::set_screened_head)).
     pub fn screened_head(&self) -> bool {
         self.screen.is_some()
+    }
+
+    /// Folds each layer's q/k/v projection into the previous layer's down projection (on) or
+    /// not (off), for one-token decode steps on the GEMV path with the fused norms and the
+    /// attention's own RoPE (the row-walking kernel; the tensor-core attention of long caches,
+    /// TP ranks, prefill and cuBLAS steps keep the unfolded projections). Returns whether steps
+    /// now fold.
+    ///
+    /// Layer `l`'s down projection then reads `[h | x]` and computes both the residual
+    /// `r = x + W_d h` and `u = W_qkv diag(n1) r` (n1 the next layer's input norm weight), by a
+    /// matrix built once on the device: `[W_d | I; M | W_qkv diag(n1)]`, `M = W_qkv diag(n1)
+    /// W_d` rounded to the dtype; the next attention scales u by the norm's `rsqrt(mean(r^2) +
+    /// eps)` itself. So a layer has four kernels instead of five, at the price of reading `M`
+    /// (`qkv x inter`) and a `hidden x hidden` block in every step. Off by default
+    /// (`FERRUM_FOLD_QKV=1` turns it on for every new runner): at SmolLM2-135M, where a layer's
+    /// kernels are nearly all fixed cost, the saved q/k/v GEMV (~2.4 us) went to the larger
+    /// down GEMV (+1.0 us) and the attention's norm (+0.3 us after its loads joined the
+    /// row's), +0.3% a token in all (docs/PERF.md, session 35); larger models lose (M grows as
+    /// `qkv x inter`). The logits differ from the unfolded step's by rounding only (M's
+    /// rounding to the dtype is the largest term; the GPU tests compare both with the CPU
+    /// reference and with each other).
+    ///
+    /// Refused (returns `false`, allocates nothing) with fewer than two layers, a hidden size
+    /// above the fused norms' limit or `launch::FOLD_MAX_HIDDEN`, fused norms or RoPE turned
+    /// off, or a reducer other than the identity (a TP rank); also when an entry of the folded
+    /// matrix is not finite in the dtype (f16 overflow), with a warning. Captured device steps
+    /// are captured again after a change.
+    pub fn set_folded_qkv(&mut self, on: bool) -> Result<bool> {
+        let s = &self.spec;
+        let (h, inter, q) = (s.hidden, s.intermediate, s.qkv_dim());
+        let possible = s.layers >= 2
+            && h <= launch::FOLD_MAX_HIDDEN
+            && h <= self.k.norms_max_hidden
+            && self.k.fuse_norms
+            && self.k.fuse_rope
+            && self.reducer.is_identity();
+        if !on || !possible {
+            if self.w.fold.take().is_some() {
+                self.generation += 1;
+            }
+            return Ok(false);
+        }
+        if self.w.fold.is_some() {
+            return Ok(true);
+        }
+        let n = (h + q).checked_mul(inter + h).ok_or_else(|| Error::InvalidArgument("fold size overflows".into()))?;
+        let (ctx, st) = (&self.ctx, &self.k.stream);
+        let bad = alloc::<i32>(ctx, st, 1, "folded q/k/v check")?;
+        let mut mats = Vec::with_capacity(s.layers - 1);
+        for (lw, next) in self.w.layers.iter().zip(&self.w.layers[1..]) {
+            let out = alloc::<u16>(ctx, st, n, "folded q/k/v")?;
+            self.k.fold_qkv(
+                whole(&lw.wdown, st)?,
+                whole(&next.wqkv, st)?,
+                whole(&next.attn_norm, st)?,
+                h,
+                inter,
+                q,
+                whole(&out, st)?,
+                whole(&bad, st)?,
+            )?;
+            mats.push(out);
+        }
+        let mut b = [0i32; 1];
+        // The GEMVs read their weights before their programmatic-launch wait: the matrices must
+        // be complete before any step runs (this synchronize), as the weights are.
+        st.memcpy_dtoh(&bad, &mut b).map_err(Error::driver("reading the folded q/k/v check"))?;
+        st.synchronize().map_err(Error::driver("folding the q/k/v projections"))?;
+        if b[0] != 0 {
+            tracing::warn!("the folded q/k/v matrix has entries outside the dtype's range: not folding");
+            return Ok(false);
+        }
+        tune_shapes(&self.ctx, &mut self.k, vec![(h + q, inter + h, false, mats.iter().collect())], self.sms)?;
+        self.w.fold = Some(mats);
+        self.generation += 1;
+        Ok(true)
+    }
+
+    /// Whether one-token steps fold the q/k/v projection ([`set_folded_qkv`](Self::set_folded_qkv)).
+    pub fn folded_qkv(&self) -> bool {
+        self.w.fold.is_some()
     }
 
     /// The rows the last screened device-fed step read again and their exact logits (those of
@@ -1676,7 +1780,7 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     }
     let head = w.lm_head.as_ref().unwrap_or(&w.embed);
     let of = |f: fn(&LayerW) -> &CudaSlice<u16>| w.layers.iter().map(f).collect::<Vec<_>>();
-    let shapes: [(usize, usize, bool, Vec<&CudaSlice<u16>>); 5] = [
+    let shapes: Vec<TuneShape<'_>> = vec![
         (s.qkv_dim(), s.hidden, false, of(|l| &l.wqkv)),
         (s.hidden, s.q_dim(), false, of(|l| &l.wo)),
         (s.intermediate, s.hidden, true, of(|l| &l.wgu)),
@@ -1695,6 +1799,16 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
             tracing::warn!(rows = r, cols = c, ks, "FERRUM_GEMV_KS_SHAPES names no GEMV shape of this model");
         }
     }
+    tune_shapes(ctx, k, shapes, sms)
+}
+
+/// A GEMV shape to tune: rows, columns, whether it is the stacked gate|up, and the matrices
+/// of that shape (timed as one chain).
+type TuneShape<'a> = (usize, usize, bool, Vec<&'a CudaSlice<u16>>);
+
+/// Times the launch variants of each shape not yet in `k`'s table (see [`tune_gemv`]) and
+/// records the pick.
+fn tune_shapes(ctx: &Arc<CudaContext>, k: &mut Kernels, shapes: Vec<TuneShape<'_>>, sms: usize) -> Result<()> {
     if let Some(i) = k.gemv_variant {
         // FERRUM_GEMV_VARIANT: no timing, the same variant for every shape.
         for (rows, cols, gateup, _) in &shapes {
@@ -1944,17 +2058,6 @@ fn forward(
     // TP over a peer group, one token on the GEMV path: the o / down GEMVs push their partials
     // to the peers (push_add_rmsnorm), when the group's capacity takes the message.
     let push = k.fuse_push && n == 1 && p == Projection::Gemv;
-    k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?;
-    if !fused_norms {
-        k.rmsnorm(
-            region(&a.y, st, 0, n * h)?,
-            region(&a.x, st, 0, n * h)?,
-            whole(&w.layers[0].attn_norm, st)?,
-            n,
-            h,
-            eps,
-        )?;
-    }
     let splits = if decode { seq.n_splits } else { 1 };
     // Decode: warps, and whether the fused kernel copies its split's rows before the
     // programmatic-launch wait (plan::attn_warps). Only with PDL: without it (the compute_80
@@ -1990,6 +2093,35 @@ fn forward(
             splits,
             k.attn_o_smem_max,
         );
+    // The folded q/k/v projection (CudaDecodeRunner::set_folded_qkv): one token on the fused
+    // path with the attention's own RoPE (the row-walking kernel, no o fusion). Layer li's
+    // activations are then buffer li % 2 of a.fold, `[h | x | u]` (Acts::fold).
+    let fold = match &w.fold {
+        Some(f) if fused_norms && fused_rope && !fused_o && decode && f.len() + 1 == w.layers.len() => Some(f),
+        _ => None,
+    };
+    let fw = fold_stride(s);
+    // Layer li's residual x (`[hidden]`, one token on the fused path).
+    let x_of = |li: usize| match fold {
+        Some(_) => region(&a.fold, st, (li % 2) * fw + inter, h),
+        None => region(&a.x, st, 0, h),
+    };
+    match fold {
+        Some(_) => k.embed(x_of(0)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?,
+        None => {
+            k.embed(region(&a.x, st, 0, n * h)?, whole(&w.embed, st)?, region(&a.step, st, 0, n)?, n, s.vocab, h)?
+        }
+    }
+    if !fused_norms {
+        k.rmsnorm(
+            region(&a.y, st, 0, n * h)?,
+            region(&a.x, st, 0, n * h)?,
+            whole(&w.layers[0].attn_norm, st)?,
+            n,
+            h,
+            eps,
+        )?;
+    }
     if decode {
         k.last_merge.set(match (splits > 1, cluster_merge, fused_merge) {
             (false, _, _) => "none",
@@ -1999,17 +2131,20 @@ fn forward(
         });
     }
     for (li, lw) in w.layers.iter().enumerate() {
-        if fused_norms {
+        // Folded, past layer 0: the previous down projection wrote u (q/k/v before the norm's
+        // scalar) after this layer's x, and the attention applies the scalar.
+        let folded_in = fold.is_some() && li > 0;
+        let (qkv_row, pre) = if folded_in {
+            (region(&a.fold, st, (li % 2) * fw + inter + h, qkv_dim)?, x_of(li)?)
+        } else {
+            (region(&a.qkv, st, 0, n * qkv_dim)?, Region::null())
+        };
+        if folded_in {
+            // (u is already in place)
+        } else if fused_norms {
             // qkv = W_qkv (RMSNorm(x) * attn_norm)
             let norm = GemvIo::Norm { w: whole(&lw.attn_norm, st)?, eps };
-            k.gemv_io(
-                region(&a.qkv, st, 0, qkv_dim)?,
-                whole(&lw.wqkv, st)?,
-                region(&a.x, st, 0, h)?,
-                qkv_dim,
-                h,
-                norm,
-            )?;
+            k.gemv_io(region(&a.qkv, st, 0, qkv_dim)?, whole(&lw.wqkv, st)?, x_of(li)?, qkv_dim, h, norm)?;
         } else {
             project(
                 k,
@@ -2032,6 +2167,7 @@ fn forward(
             k_norm: opt(&lw.k_norm, st)?,
             inv_freq: whole(inv_freq, st)?,
             eps,
+            pre,
             early,
         };
         if !fused_rope {
@@ -2094,7 +2230,7 @@ fn forward(
             k.attn(
                 fused_rope.then_some(rope),
                 fused_o.then_some(o),
-                region(&a.qkv, st, 0, n * qkv_dim)?,
+                qkv_row,
                 qkv_dim,
                 kc,
                 vc,
@@ -2128,32 +2264,25 @@ fn forward(
             // x += W_o attn (unless the attention did it); h = silu·mul of W_gu (RMSNorm(x) *
             // mlp_norm); x += W_down h
             if !fused_o {
-                k.gemv_io(
-                    region(&a.x, st, 0, h)?,
-                    whole(&lw.wo, st)?,
-                    region(&a.attn, st, 0, q_dim)?,
-                    h,
-                    q_dim,
-                    GemvIo::AddTo,
-                )?;
+                k.gemv_io(x_of(li)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, GemvIo::AddTo)?;
             }
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
-            k.gemv_gateup_io(
-                region(&a.h, st, 0, inter)?,
-                whole(&lw.wgu, st)?,
-                region(&a.x, st, 0, h)?,
-                inter,
-                h,
-                mlp_norm,
-            )?;
-            k.gemv_io(
-                region(&a.x, st, 0, h)?,
-                whole(&lw.wdown, st)?,
-                region(&a.h, st, 0, inter)?,
-                h,
-                inter,
-                GemvIo::AddTo,
-            )?;
+            let cur = (li % 2) * fw;
+            let hr = if fold.is_some() { region(&a.fold, st, cur, inter)? } else { region(&a.h, st, 0, inter)? };
+            k.gemv_gateup_io(hr, whole(&lw.wgu, st)?, x_of(li)?, inter, h, mlp_norm)?;
+            match fold.and_then(|f| f.get(li)) {
+                // [x' | u'] (the other buffer) = D [h | x]: the next layer's residual and its q/k/v
+                // before the norm's scalar (misc.cu's fold_qkv)
+                Some(d) => k.gemv_io(
+                    region(&a.fold, st, fw - cur + inter, h + qkv_dim)?,
+                    whole(d, st)?,
+                    region(&a.fold, st, cur, inter + h)?,
+                    h + qkv_dim,
+                    inter + h,
+                    GemvIo::Plain,
+                )?,
+                None => k.gemv_io(x_of(li)?, whole(&lw.wdown, st)?, hr, h, inter, GemvIo::AddTo)?,
+            }
             continue;
         }
         let acts = (&a.x, &mut a.o, &a.y, &a.xh);
@@ -2195,7 +2324,7 @@ fn forward(
             }
             let head = region(hw, st, r0 * h, rn * h)?;
             let (input, norm) = if fused_norms {
-                (region(&a.x, st, 0, h)?, Some((whole(&w.final_norm, st)?, eps)))
+                (x_of(w.layers.len() - 1)?, Some((whole(&w.final_norm, st)?, eps)))
             } else {
                 (region(&a.y, st, 0, h)?, None)
             };
@@ -2206,7 +2335,7 @@ fn forward(
     if fused_norms {
         // logits = W_head (RMSNorm(x) * final_norm)
         let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
-        return k.gemv_as(logits, head, region(&a.x, st, 0, h)?, rn, h, norm, s.vocab);
+        return k.gemv_as(logits, head, x_of(w.layers.len() - 1)?, rn, h, norm, s.vocab);
     }
     let last = region(&a.y, st, (n - 1) * h, h)?;
     if p == Projection::Gemv {
