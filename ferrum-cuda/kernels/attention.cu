@@ -610,8 +610,8 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // kernel before the one it depends on has completed and its writes are visible. (A kernel that
 // never signals, such as a cuBLAS GEMM on the cuBLAS decode path, counts as finished only when
 // it completes, which keeps the chain.) The kernel it depends on (the QKV projection, a GEMV
-// or a GEMM) writes neither the position (the previous step's argmax, or a host copy, wrote
-// it; in a graph of several steps that argmax is in the same graph, at least two kernels
+// or a GEMM; with the folded q/k/v, the previous layer's down GEMV) writes neither the
+// position (the previous step's argmax, or a host copy, wrote it; in a graph of several steps that argmax is in the same graph, at least two kernels
 // back) nor the cache (rows below pos were written by earlier attention launches, row pos is
 // never read here), and the loads go through L2.
 //
@@ -619,7 +619,7 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // cluster no block does the projection, so the host never launches that): every block of a
 // head's cluster also adds its rows of the head's share of the o projection to the residual
 // (see OArgs above); its W_o slice goes at the end of the dynamic shared memory.
-template <typename T, int HD, bool ROPE, bool EARLY, bool O>
+template <typename T, int HD, bool ROPE, bool EARLY, bool O, bool FOLD = false>
 __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const T *v_cache,
                           float *out, float *part_acc, float *part_ml, uint32_t *counters,
                           const uint32_t *pos_base, int heads, int kv_heads, int capacity,
@@ -740,15 +740,18 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
         RopeConsts kk = {bias, rope.k_norm != nullptr, true, 0.0f, 0.0f, 0.0f, 0.0f, kq.c, kq.sn};
         RopeConsts kv = {bias, false, false, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f};
         const float *row = q + (size_t)tok * q_stride;
-        // Folded (rope.pre_x): this thread's first ATTN_PRE_REGS elements of r, loaded into
-        // registers before the row's loads and used after them, so that both are one round trip
-        // (a loop that sums as it loads put a round trip of its own ahead of the row's: +1.2 us
-        // a layer at 135M, session 35 call 5's timeline).
-        float pv[ATTN_PRE_REGS];
+        // FOLD (the folded q/k/v, rope.pre_x non-null: the host launches these instances with
+        // it only): this thread's first ATTN_PRE_REGS elements of r, loaded into registers
+        // before the row's loads and used after them, so that both are one round trip (a loop
+        // that sums as it loads put a round trip of its own ahead of the row's: +1.2 us a layer
+        // at 135M, session 35 call 5's timeline). The other instances have none of this code.
+        float pv[FOLD ? ATTN_PRE_REGS : 1];
+        if constexpr (FOLD) {
 #pragma unroll
-        for (int j = 0; j < ATTN_PRE_REGS; ++j) {
-            const int c = threadIdx.x + j * blockDim.x;
-            pv[j] = rope.pre_x != nullptr && c < rope.pre_n ? rope.pre_x[c] : 0.0f;
+            for (int j = 0; j < ATTN_PRE_REGS; ++j) {
+                const int c = threadIdx.x + j * blockDim.x;
+                pv[j] = c < rope.pre_n ? rope.pre_x[c] : 0.0f;
+            }
         }
         // The raw pairs of q, k and v and their constants, loaded together (k and v only where
         // needed).
@@ -781,7 +784,7 @@ __device__ void attn_impl(const float *q, int q_stride, const T *k_cache, const 
                 }
             }
         }
-        if (rope.pre_x != nullptr) {
+        if constexpr (FOLD) {
             // u * rn: what the unfolded projection's GEMV gives (its acc * rn), up to rounding.
             // Uniform over the block (every thread calls block_sum).
             float ss = 0.0f;
@@ -1572,9 +1575,9 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
-        const float *inv_freq, float eps, const float *pre_x, int pre_n) {                         \
+        const float *inv_freq, float eps) {                                                        \
         /* attn_impl runs FERRUM_PDL_ENTRY, after its early loads */                               \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         attn<T, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters, pos_base, \
                       heads, kv_heads, hd, capacity, scale, rope);                                 \
     }                                                                                              \
@@ -1590,9 +1593,9 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int hd, int capacity, float scale, const T *bias, const T *q_norm, const T *k_norm,        \
-        const float *inv_freq, float eps, const float *pre_x, int pre_n) {                         \
+        const float *inv_freq, float eps) {                                                        \
         /* attn_impl runs FERRUM_PDL_ENTRY, after its early copies */                              \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         attn<T, true, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, part_ml, counters,     \
                             pos_base, heads, kv_heads, hd, capacity, scale, rope);                 \
     }                                                                                              \
@@ -1630,10 +1633,10 @@ FERRUM_ATTN(bf16, bf16)
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
         float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
         int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
-        const T *k_norm, const float *inv_freq, float eps, const float *pre_x, int pre_n) {        \
+        const T *k_norm, const float *inv_freq, float eps) {                                       \
         __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
         extern __shared__ uint4 s_dyn[];                                                           \
-        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps};         \
         const OArgs<T> no_o = {nullptr, nullptr, nullptr, nullptr, 0};                             \
         attn_impl<T, HD, true, EARLY, false>(qkv, q_stride, k_cache, v_cache, out, part_acc,       \
                                              part_ml, counters, pos_base, heads, kv_heads,         \
@@ -1645,6 +1648,34 @@ FERRUM_ATTN(bf16, bf16)
 
 FERRUM_ATTN_ROPE_HD(f16, f16, 128)
 FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)
+
+// The fused decode attention of the folded q/k/v projection (RopeArgs::pre_x; opt-in:
+// CudaDecodeRunner::set_folded_qkv), one instance per head dim of plan::FOLD_HEAD_DIMS: the
+// generic kernel's parameters, then the residual r (pre_x, pre_n floats) whose norm scalar the
+// kernel applies to the raw row. Instances of their own, so that the default kernels carry none
+// of its code. NAME ferrum_attn_rope[_early]_fold_hdHD_S.
+#define FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(NAME, T, HD, EARLY)                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                     \
+        const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
+        float *part_ml, uint32_t *counters, const uint32_t *pos_base, int heads, int kv_heads,     \
+        int /* hd == HD */, int capacity, float scale, const T *bias, const T *q_norm,             \
+        const T *k_norm, const float *inv_freq, float eps, const float *pre_x, int pre_n) {        \
+        __shared__ __align__(16) float smem[ATTN_SMEM_FLOATS];                                     \
+        extern __shared__ uint4 s_dyn[];                                                           \
+        const RopeArgs<T> rope = {bias, q_norm, k_norm, inv_freq, k_cache, v_cache, eps, pre_x, pre_n}; \
+        const OArgs<T> no_o = {nullptr, nullptr, nullptr, nullptr, 0};                             \
+        attn_impl<T, HD, true, EARLY, false, true>(qkv, q_stride, k_cache, v_cache, out, part_acc, \
+                                                   part_ml, counters, pos_base, heads, kv_heads,   \
+                                                   capacity, scale, smem, s_dyn, rope, no_o);      \
+    }
+#define FERRUM_ATTN_ROPE_FOLD_HD(S, T, HD)                                                         \
+    FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(ferrum_attn_rope_fold_hd##HD##_##S, T, HD, false)              \
+    FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(ferrum_attn_rope_early_fold_hd##HD##_##S, T, HD, true)
+
+FERRUM_ATTN_ROPE_FOLD_HD(f16, f16, 64)
+FERRUM_ATTN_ROPE_FOLD_HD(bf16, bf16, 64)
+FERRUM_ATTN_ROPE_FOLD_HD(f16, f16, 128)
+FERRUM_ATTN_ROPE_FOLD_HD(bf16, bf16, 128)
 
 // The fused decode attention that also adds the o projection to the residual (OArgs above;
 // opt-in: plan::attn_o), one kernel per head dim of plan::ATTN_O_HEAD_DIMS, the generic

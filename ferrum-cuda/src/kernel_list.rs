@@ -78,6 +78,15 @@ kernels! {
     AttnRopeHd128Bf16 => "ferrum_attn_rope_hd128_bf16" in "attention",
     AttnRopeEarlyHd128F16 => "ferrum_attn_rope_early_hd128_f16" in "attention",
     AttnRopeEarlyHd128Bf16 => "ferrum_attn_rope_early_hd128_bf16" in "attention",
+    /// The fused decode attention of the folded q/k/v projection (`plan::FOLD_HEAD_DIMS`).
+    AttnRopeFoldHd64F16 => "ferrum_attn_rope_fold_hd64_f16" in "attention",
+    AttnRopeFoldHd64Bf16 => "ferrum_attn_rope_fold_hd64_bf16" in "attention",
+    AttnRopeEarlyFoldHd64F16 => "ferrum_attn_rope_early_fold_hd64_f16" in "attention",
+    AttnRopeEarlyFoldHd64Bf16 => "ferrum_attn_rope_early_fold_hd64_bf16" in "attention",
+    AttnRopeFoldHd128F16 => "ferrum_attn_rope_fold_hd128_f16" in "attention",
+    AttnRopeFoldHd128Bf16 => "ferrum_attn_rope_fold_hd128_bf16" in "attention",
+    AttnRopeEarlyFoldHd128F16 => "ferrum_attn_rope_early_fold_hd128_f16" in "attention",
+    AttnRopeEarlyFoldHd128Bf16 => "ferrum_attn_rope_early_fold_hd128_bf16" in "attention",
     /// `AttnRope*` / `AttnRopeEarly*` for head dim 64 that also add the o projection to the
     /// residual (x += W_o attn; opt-in, `plan::attn_o`: one GPU, the cluster merge).
     AttnRopeOHd64F16 => "ferrum_attn_rope_o_hd64_f16" in "attention",

@@ -140,6 +140,10 @@ pub fn fold_qkv(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_FOLD_QKV", value, 0, 1)? == Some(1))
 }
 
+/// Head dims with a folded-q/k/v attention kernel (attention.cu's
+/// `ferrum_attn_rope[_early]_fold_hd*`): SmolLM2's 64 and Llama's 128.
+pub const FOLD_HEAD_DIMS: &[usize] = &[64, 128];
+
 /// `steps` when it is a valid count of device-fed steps per captured graph,
 /// 1..=[`MAX_GRAPH_STEPS`], else an `InvalidArgument` error.
 pub fn check_graph_steps(steps: usize) -> crate::Result<usize> {

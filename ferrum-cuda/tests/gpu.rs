@@ -406,8 +406,10 @@ fn check_against_ref(
 ) -> Result<f64, String> {
     let (s, w, mut r) = build(a, dtype, 7 + prompt as u64);
     r.set_projection(proj);
-    // Every model of these tests has the two layers and the fused path the fold needs.
-    assert_eq!(r.set_folded_qkv(fold).unwrap(), fold, "{}: set_folded_qkv({fold})", a.name);
+    // Every model of these tests has the layers, widths and fused path the fold needs; the head
+    // dim must have a folded attention kernel.
+    let foldable = plan::FOLD_HEAD_DIMS.contains(&a.head_dim);
+    assert_eq!(r.set_folded_qkv(fold).unwrap(), fold && foldable, "{}: set_folded_qkv({fold})", a.name);
     let mut rf = Ref::new(&s, &w);
     let mut rng = Rng(99);
     let toks: Vec<u32> = (0..prompt).map(|_| rng.below(s.vocab)).collect();
@@ -467,20 +469,25 @@ fn matches_cpu_reference_all_archs() {
 }
 
 /// The folded q/k/v projection (`set_folded_qkv`) against the unfolded step of the same
-/// runner: the logits after a prompt and greedy host-fed steps differ by rounding only (the
-/// folded matrix's rounding to the dtype), far inside the CPU reference tolerance; and the
-/// device-fed greedy tokens (one captured graph of steps) are the same in this test.
+/// runner, for every architecture whose head dim has a folded kernel: the logits after a prompt
+/// and the same host-fed tokens differ by rounding only (the folded matrix's rounding to the
+/// dtype), within a quarter of the CPU reference tolerance (chosen from session 35's data:
+/// worst 1.15e-3 bf16, 2.0e-4 f16), and not at all would mean the fold did not run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn folded_qkv_matches_the_unfolded_step() {
     let mut failures = Vec::new();
-    for a in [LLAMA, MISTRAL, QWEN2, QWEN3] {
+    for a in [LLAMA, QWEN2, QWEN3] {
+        assert!(plan::FOLD_HEAD_DIMS.contains(&a.head_dim));
         for tied in [false, true] {
             let a = Arch { tied, layers: 3, ..a };
             for dtype in [DType::BF16, DType::F16] {
                 let (s, _w, mut r) = build(a, dtype, 41);
                 let mut rng = Rng(5);
                 let prompt: Vec<u32> = (0..40).map(|_| rng.below(s.vocab)).collect();
+                // The tokens fed after the prompt: the unfolded run's greedy choices, fed to
+                // both runs (a near tie cannot make them diverge).
+                let mut fed: Vec<u32> = Vec::new();
                 let mut run = |fold: bool, seq: u64| -> Vec<Vec<f32>> {
                     assert_eq!(r.set_folded_qkv(fold).unwrap(), fold);
                     assert_eq!(r.folded_qkv(), fold);
@@ -490,7 +497,10 @@ fn folded_qkv_matches_the_unfolded_step() {
                     r.logits_to_host(&mut l).unwrap();
                     let mut out = vec![l.clone()];
                     for i in 0..24 {
-                        r.decode_step(seq, argmax(&l), prompt.len() + i).unwrap();
+                        if !fold {
+                            fed.push(argmax(&l));
+                        }
+                        r.decode_step(seq, fed[i], prompt.len() + i).unwrap();
                         r.logits_to_host(&mut l).unwrap();
                         out.push(l.clone());
                     }
@@ -507,7 +517,7 @@ fn folded_qkv_matches_the_unfolded_step() {
                     a.name,
                     dtype.name()
                 );
-                if worst.is_nan() || worst > bound {
+                if worst.is_nan() || worst > bound || worst == 0.0 {
                     failures.push(format!("{} tied={tied} {dtype:?}: {worst:.3e}", a.name));
                 }
             }
@@ -517,16 +527,21 @@ fn folded_qkv_matches_the_unfolded_step() {
 }
 
 /// Where the fold cannot run it is refused and nothing changes: one layer (no next layer to
-/// fold into), and an f16 model whose folded matrix overflows the dtype.
+/// fold into), a head dim without a folded kernel, and an f16 model whose folded matrix
+/// overflows the dtype (whose unscaled weights fold).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn folded_qkv_is_refused_where_it_cannot_run() {
     let (_, _, mut r) = build(Arch { layers: 1, ..LLAMA }, DType::BF16, 3);
     assert!(!r.set_folded_qkv(true).unwrap());
     assert!(!r.folded_qkv());
-    // W_qkv and W_d with entries up to 120: many of M's entries (sums of 256 products up to
+    let (_, _, mut r) = build(MISTRAL, DType::BF16, 3); // head dim 32
+    assert!(!r.set_folded_qkv(true).unwrap());
+    // W_qkv and W_d with entries up to 120: many of M's entries (sums of 384 products up to
     // 14400) overflow f16.
-    let a = Arch { layers: 2, ..MISTRAL };
+    let a = Arch { layers: 2, ..QWEN2 };
+    let (_, _, mut r) = build(a, DType::F16, 4);
+    assert!(r.set_folded_qkv(true).unwrap(), "the unscaled model folds");
     let s = spec_of(a);
     let mut w = random_weights(&s, DType::F16, 4);
     for l in &mut w.layers {
@@ -541,7 +556,7 @@ fn folded_qkv_is_refused_where_it_cannot_run() {
     r.init_sequence(1, 8).unwrap();
     r.prefill(1, &[1, 2, 3]).unwrap();
     r.decode_step(1, 4, 3).unwrap();
-    println!("FOLD refusals: one layer, f16 overflow");
+    println!("FOLD refusals: one layer, head dim 32, f16 overflow");
 }
 
 #[test]

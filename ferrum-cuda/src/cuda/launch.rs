@@ -333,6 +333,14 @@ fn is_decode_attention(k: Kernel) -> bool {
             | AttnRopeHd128Bf16
             | AttnRopeEarlyHd128F16
             | AttnRopeEarlyHd128Bf16
+            | AttnRopeFoldHd64F16
+            | AttnRopeFoldHd64Bf16
+            | AttnRopeEarlyFoldHd64F16
+            | AttnRopeEarlyFoldHd64Bf16
+            | AttnRopeFoldHd128F16
+            | AttnRopeFoldHd128Bf16
+            | AttnRopeEarlyFoldHd128F16
+            | AttnRopeEarlyFoldHd128Bf16
     )
 }
 
@@ -1083,7 +1091,8 @@ impl Kernels {
                     r.k_norm.opt(head_dim, "attn rope k_norm")?,
                     r.inv_freq.need(head_dim / 2, "attn rope inv_freq")?,
                     r.eps,
-                    r.pre.opt(r.pre.len, "attn folded residual")?,
+                    // The folded residual: null, or a non-empty region whose length is pre_n.
+                    r.pre.opt(r.pre.len.max(1), "attn folded residual")?,
                     i32_of(r.pre.len, "folded residual")?,
                 ))
             }
@@ -1128,7 +1137,24 @@ impl Kernels {
         // the same signature, the head dim passed and ignored).
         let own =
             (self.attn_head_dim_kernels && crate::plan::ATTN_OWN_HEAD_DIMS.contains(&head_dim)).then_some(head_dim);
+        let fold = rope_args.as_ref().is_some_and(|r| r.5 != 0);
+        if fold && (o_args.is_some() || !crate::plan::FOLD_HEAD_DIMS.contains(&head_dim)) {
+            return Err(Error::Internal(format!(
+                "attn: a folded q/k/v with o {}, head dim {head_dim}",
+                o_args.is_some()
+            )));
+        }
         let kernel = match (rope_args.is_some(), early, own) {
+            (true, true, _) if fold && head_dim == 64 => {
+                pick(self.dtype, Kernel::AttnRopeEarlyFoldHd64F16, Kernel::AttnRopeEarlyFoldHd64Bf16)
+            }
+            (true, false, _) if fold && head_dim == 64 => {
+                pick(self.dtype, Kernel::AttnRopeFoldHd64F16, Kernel::AttnRopeFoldHd64Bf16)
+            }
+            (true, true, _) if fold => {
+                pick(self.dtype, Kernel::AttnRopeEarlyFoldHd128F16, Kernel::AttnRopeEarlyFoldHd128Bf16)
+            }
+            (true, false, _) if fold => pick(self.dtype, Kernel::AttnRopeFoldHd128F16, Kernel::AttnRopeFoldHd128Bf16),
             // (attn_o_fits, checked above, admits plan::ATTN_O_HEAD_DIMS = [64] only)
             (true, true, _) if o_args.is_some() => {
                 pick(self.dtype, Kernel::AttnRopeEarlyOHd64F16, Kernel::AttnRopeEarlyOHd64Bf16)
@@ -1148,11 +1174,9 @@ impl Kernels {
         b.arg(&h).arg(&kvh).arg(&hd).arg(&cap).arg(&scale);
         if let Some((bias, qn, kn, freq, eps, pre, pre_n)) = &rope_args {
             b.arg(bias).arg(qn).arg(kn).arg(freq).arg(eps);
-            // The `_o` kernels have no folded form (their parameters end at the o projection's).
-            if o_args.is_none() {
+            // Only the `_fold` kernels take the folded residual (checked above).
+            if fold {
                 b.arg(pre).arg(pre_n);
-            } else if *pre != 0 {
-                return Err(Error::Internal("attn: the o fusion with a folded q/k/v".into()));
             }
         }
         if let Some((wo, x, part, ticket, hidden)) = &o_args {
@@ -1201,9 +1225,10 @@ impl Kernels {
         // writes part[h][those rows] and increments ticket[j] (j < n_splits <=
         // ATTN_MAX_CLUSTER); the last of the `heads` blocks of row range j reads part[*][its
         // rows] and reads and writes x[its rows] (extents checked above). With a non-null
-        // `pre` (the folded q/k/v; rope kernels without `o` only, checked above: their extra
-        // parameters (const f32*, int) follow eps), every block reads pre[0 .. pre_n), pre_n
-        // being the region's own length.
+        // `pre` (the folded q/k/v: the `_fold_hd64` / `_fold_hd128` kernels, launched for those
+        // head dims only and never with `o`, checked above; same signature as the rope kernels
+        // plus (const f32*, int) after eps), every block reads pre[0 .. pre_n), pre_n being
+        // the region's own length, at least 1 (checked above).
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }

@@ -960,17 +960,28 @@ impl CudaDecodeRunner {
     /// row's), +0.3% a token in all (docs/PERF.md, session 35); larger models lose (M grows as
     /// `qkv x inter`). The logits differ from the unfolded step's by rounding only (M's
     /// rounding to the dtype is the largest term; the GPU tests compare both with the CPU
-    /// reference and with each other).
+    /// reference and with each other). The larger models' loss is the expected one (M grows
+    /// as `qkv x inter`), not a measured one.
     ///
-    /// Refused (returns `false`, allocates nothing) with fewer than two layers, a hidden size
-    /// above the fused norms' limit or `launch::FOLD_MAX_HIDDEN`, fused norms or RoPE turned
-    /// off, or a reducer other than the identity (a TP rank); also when an entry of the folded
-    /// matrix is not finite in the dtype (f16 overflow), with a warning. Captured device steps
-    /// are captured again after a change.
+    /// Returns whether the folded matrices are built; steps fold only where the step itself
+    /// takes the fused path with the row-walking attention (not with `FERRUM_ATTN_O=1`'s o
+    /// fusion, nor over caches long enough for the tensor-core attention). Refused (returns
+    /// `false`, allocates nothing) with fewer than two layers, a head dim without a folded
+    /// attention kernel (`plan::FOLD_HEAD_DIMS`), a hidden size, MLP width or q/k/v width that
+    /// is not a multiple of 8 (the buffers' float4 alignment), a hidden size above the fused
+    /// norms' limit or `launch::FOLD_MAX_HIDDEN`, fused norms or RoPE turned off, or a reducer
+    /// other than the identity (a TP rank); refused after building, with a warning and the
+    /// matrices freed, when an entry of the folded matrix is not finite in the dtype (f16
+    /// overflow) or the device memory runs out. Captured device steps are captured again after
+    /// a change.
     pub fn set_folded_qkv(&mut self, on: bool) -> Result<bool> {
         let s = &self.spec;
         let (h, inter, q) = (s.hidden, s.intermediate, s.qkv_dim());
         let possible = s.layers >= 2
+            && crate::plan::FOLD_HEAD_DIMS.contains(&s.head_dim)
+            && h % 8 == 0
+            && inter % 8 == 0
+            && q % 8 == 0
             && h <= launch::FOLD_MAX_HIDDEN
             && h <= self.k.norms_max_hidden
             && self.k.fuse_norms
@@ -990,7 +1001,17 @@ impl CudaDecodeRunner {
         let bad = alloc::<i32>(ctx, st, 1, "folded q/k/v check")?;
         let mut mats = Vec::with_capacity(s.layers - 1);
         for (lw, next) in self.w.layers.iter().zip(&self.w.layers[1..]) {
-            let out = alloc::<u16>(ctx, st, n, "folded q/k/v")?;
+            let out = match alloc::<u16>(ctx, st, n, "folded q/k/v") {
+                Ok(o) => o,
+                Err(e @ Error::OutOfMemory { .. }) => {
+                    // An opt-in speed-up: the runner works without it. The matrices built so
+                    // far are freed once the kernels writing them are done.
+                    st.synchronize().map_err(Error::driver("folding the q/k/v projections"))?;
+                    tracing::warn!(%e, "not folding the q/k/v projections");
+                    return Ok(false);
+                }
+                Err(e) => return Err(e),
+            };
             self.k.fold_qkv(
                 whole(&lw.wdown, st)?,
                 whole(&next.wqkv, st)?,
