@@ -945,8 +945,7 @@ impl CudaDecodeRunner {
     /// Folds each layer's q/k/v projection into the previous layer's down projection (on) or
     /// not (off), for one-token decode steps on the GEMV path with the fused norms and the
     /// attention's own RoPE (the row-walking kernel; the tensor-core attention of long caches,
-    /// TP ranks, prefill and cuBLAS steps keep the unfolded projections). Returns whether steps
-    /// now fold.
+    /// TP ranks, prefill and cuBLAS steps keep the unfolded projections).
     ///
     /// Layer `l`'s down projection then reads `[h | x]` and computes both the residual
     /// `r = x + W_d h` and `u = W_qkv diag(n1) r` (n1 the next layer's input norm weight), by a
