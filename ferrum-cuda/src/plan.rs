@@ -135,7 +135,8 @@ pub fn screen_head(value: Option<&str>) -> crate::Result<bool> {
 /// `FERRUM_FOLD_QKV`: `1` folds the q/k/v projection into the previous layer's down projection
 /// for every new runner (`CudaDecodeRunner::set_folded_qkv`), `0` or unset leaves it off;
 /// anything else is an error. Off by default: at SmolLM2-135M, the one model whose shapes it
-/// might pay for, it measured +0.3% (session 35, within the bench's noise).
+/// might pay for, it measured +0.3% (session 35, within the bench's noise); at Llama-3-8B -37%
+/// (session 36: [`fold_extra_bytes`]).
 pub fn fold_qkv(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_FOLD_QKV", value, 0, 1)? == Some(1))
 }
@@ -143,6 +144,18 @@ pub fn fold_qkv(value: Option<&str>) -> crate::Result<bool> {
 /// Head dims with a folded-q/k/v attention kernel (attention.cu's
 /// `ferrum_attn_rope[_early]_fold_hd*`): SmolLM2's 64 and Llama's 128.
 pub const FOLD_HEAD_DIMS: &[usize] = &[64, 128];
+
+/// Bytes a layer's folded down projection reads beyond the unfolded down and q/k/v
+/// projections (2-byte dtypes): `M` (`qkv x inter`) and the `hidden x hidden` identity block.
+pub fn fold_extra_bytes(hidden: usize, inter: usize, qkv: usize) -> usize {
+    2 * (qkv * inter + hidden * hidden)
+}
+
+/// The most extra bytes a layer for which the fold can pay: it saves about one small GEMV's
+/// fixed cost a layer (~2.4 us at SmolLM2-135M, session 35's timeline), and at ~4 TB/s that
+/// buys ~8 MB. SmolLM2-135M's 3.6 MB a layer measured +0.3%; Llama-3-8B's 210 MB measured
+/// 270 -> 170 tok/s (-37%, session 36). `set_folded_qkv` warns above it.
+pub const FOLD_MAX_EXTRA_BYTES: usize = 8 << 20;
 
 /// `steps` when it is a valid count of device-fed steps per captured graph,
 /// 1..=[`MAX_GRAPH_STEPS`], else an `InvalidArgument` error.
@@ -762,6 +775,17 @@ mod tests {
         assert!(!attn_cluster(1, true), "one split has nothing to merge");
         assert!(!attn_cluster(9, true) && !attn_cluster(64, true));
         assert!(!attn_cluster(6, false), "no clusters before sm_90");
+    }
+
+    #[test]
+    fn the_fold_pays_only_where_its_extra_bytes_are_few() {
+        // SmolLM2-135M (hidden 576, MLP 1536, q/k/v 960): 3.6 MB a layer, measured +0.3%.
+        let small = fold_extra_bytes(576, 1536, 960);
+        assert_eq!(small, 2 * (960 * 1536 + 576 * 576));
+        assert!(small <= FOLD_MAX_EXTRA_BYTES);
+        // Llama-3.2-1B and Llama-3-8B: 59 and 210 MB a layer (8B measured -37%).
+        assert!(fold_extra_bytes(2048, 8192, 3072) > FOLD_MAX_EXTRA_BYTES);
+        assert!(fold_extra_bytes(4096, 14336, 6144) > FOLD_MAX_EXTRA_BYTES);
     }
 
     #[test]

@@ -956,11 +956,11 @@ impl CudaDecodeRunner {
     /// (`FERRUM_FOLD_QKV=1` turns it on for every new runner): at SmolLM2-135M, where a layer's
     /// kernels are nearly all fixed cost, the saved q/k/v GEMV (~2.4 us) went to the larger
     /// down GEMV (+1.0 us) and the attention's norm (+0.3 us after its loads joined the
-    /// row's), +0.3% a token in all (docs/PERF.md, session 35); larger models lose (M grows as
-    /// `qkv x inter`). The logits differ from the unfolded step's by rounding only (M's
-    /// rounding to the dtype is the largest term; the GPU tests compare both with the CPU
-    /// reference and with each other). The larger models' loss is the expected one (M grows
-    /// as `qkv x inter`), not a measured one.
+    /// row's), +0.3% a token in all (docs/PERF.md, session 35); larger models lose, since M
+    /// grows as `qkv x inter`: Llama-3-8B (210 MB more a layer) measured 270 -> 170 tok/s
+    /// (-37%, session 36), and the call warns above `plan::FOLD_MAX_EXTRA_BYTES`. The logits
+    /// differ from the unfolded step's by rounding only (M's rounding to the dtype is the
+    /// largest term; the GPU tests compare both with the CPU reference and with each other).
     ///
     /// Returns whether the folded matrices are built; steps fold only where the step itself
     /// takes the fused path with the row-walking attention (not with `FERRUM_ATTN_O=1`'s o
@@ -1033,6 +1033,15 @@ impl CudaDecodeRunner {
             return Ok(false);
         }
         tune_shapes(&self.ctx, &mut self.k, vec![(h + q, inter + h, false, mats.iter().collect())], self.sms)?;
+        let extra = crate::plan::fold_extra_bytes(h, inter, q);
+        if extra > crate::plan::FOLD_MAX_EXTRA_BYTES {
+            // Built as asked (an explicit opt-in), but the caller should know what it costs.
+            tracing::warn!(
+                extra_mb_a_layer = extra as f64 / 1e6,
+                "the folded q/k/v projection reads more a layer than the kernel it saves is worth: \
+                 expect a slower step (Llama-3-8B measured -37%)"
+            );
+        }
         self.w.fold = Some(mats);
         self.generation += 1;
         Ok(true)
