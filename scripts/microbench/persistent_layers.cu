@@ -1,8 +1,8 @@
 // Can a persistent decode step whose parts hand off through flags in memory beat kernel
 // boundaries? The question session 35 left for the two open TP1 rows of issue 6 (135M, 1B):
 // its layers' GEMVs with their boundaries take ~9.5 us (135M) and ~34 us (1B) a layer in the
-// stamped timelines (PERF.md, sessions 21 and 26), against 1.8 us and 28.7 us of weights at
-// copy bandwidth.
+// stamped timelines (PERF.md, sessions 21 and 26), against 1.7 us and 28.7 us of weights at
+// copy bandwidth (4.24 TB/s).
 //
 // A stand-alone CUDA program (not part of the build; the GPU machine has nvcc):
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o /tmp/pl scripts/microbench/persistent_layers.cu && /tmp/pl
@@ -25,7 +25,10 @@
 // reader that sees the flag of this step and layer sees the value with it, with no fence and no
 // separate flag (a consumer polls the data itself). Flags are unique per (launch, step, layer),
 // so no buffer needs clearing; a buffer is rewritten only after every block has read it, since
-// the next write of it depends (through two later hand-offs) on every block's reads.
+// its next write follows a later hand-off whose input every block wrote after its own read (hb
+// is rewritten after act is complete, qkv after hb, ha after qkv, act after ha). As in NCCL's
+// LL protocol, that order rests on the readers' control and data dependencies (a block stores
+// its outputs only after the values it polled), not on acquire/release.
 //
 // Modes, each the median of REPS launches divided by STEPS x layers (us a layer):
 // - full:        as above;
@@ -133,7 +136,7 @@ __device__ __forceinline__ bool mbar_try(unsigned bar, unsigned parity) {
     return ok != 0;
 }
 // Waits for the phase of `parity` to complete; after TIMEOUT_NS, or once another thread has
-// raised err, raises err and traps (the launch fails instead of hanging).
+// raised err, raises err and traps (the launch fails with a CUDA error instead of hanging).
 __device__ bool mbar_wait(unsigned bar, unsigned parity, unsigned *err) {
     if (mbar_try(bar, parity)) return true;
     const unsigned long long t0 = gtime();
@@ -402,31 +405,35 @@ static void reference(const Dims &d, const std::vector<std::vector<float>> &w, s
 }
 
 // Means over the layers after the first of the last step's stamps: block 0's phases, and for
-// each hand-off the spread of the writers' last stores and how long after the last of them
-// block 0 saw its input (the words' flight and the poll); the SM clock from clock64.
+// each hand-off the spread of its writers' last stores (for o, the blocks that own q rows) and
+// how long after the last of them block 0 held its whole input (after the barrier) and its
+// thread 0's own words; the SM clock from clock64. Caveat: phases with no work in them (o's
+// norm, the chain's dots) read 0.3-0.9 us, so sub-microsecond phases are rough.
 static void print_stamps(const Dims &d, int G, const unsigned long long *dev) {
     std::vector<unsigned long long> st((size_t)G * d.L * 4 * NSTAMP);
     CHECK(cudaMemcpy(st.data(), dev, st.size() * 8, cudaMemcpyDeviceToHost));
     auto at = [&](int b, int l, int p, int k) { return (double)st[((size_t)(b * d.L + l) * 4 + p) * NSTAMP + k]; };
     const char *pn[] = {"qkv", "o", "gu", "down"};
     for (int p = 0; p < 4; ++p) {
-        double ph[6] = {}, skew = 0, late = 0;
+        double ph[6] = {}, skew = 0, late = 0, late_own = 0;
         int cnt = 0;
         for (int l = 1; l < d.L; ++l, ++cnt) {
             for (int k = 0; k < 6; ++k) ph[k] += (at(0, l, p, k + 1) - at(0, l, p, k)) * 1e-3;
             const int pl = p ? l : l - 1, pp = p ? p - 1 : 3;
             double lo = 1e30, hi = 0;
             for (int b = 0; b < G; ++b) {
+                if (p == O && d.Q * b / G >= d.H) continue;  // o reads q only: not a writer
                 lo = std::min(lo, at(b, pl, pp, 6));
                 hi = std::max(hi, at(b, pl, pp, 6));
             }
             skew += (hi - lo) * 1e-3;
-            late += (at(0, l, p, 1) - hi) * 1e-3;
+            late += (at(0, l, p, 2) - hi) * 1e-3;
+            late_own += (at(0, l, p, 1) - hi) * 1e-3;
         }
         std::printf("  %-4s block 0: own input %.2f, all %.2f, norm %.2f, own dots %.2f, all %.2f, stores %.2f us; "
-                    "writers' last stores spread %.2f, block 0 saw the input %.2f after the last\n",
+                    "writers' last stores spread %.2f; block 0 held its input %.2f after the last (own words %.2f)\n",
                     pn[p], ph[0] / cnt, ph[1] / cnt, ph[2] / cnt, ph[3] / cnt, ph[4] / cnt, ph[5] / cnt, skew / cnt,
-                    late / cnt);
+                    late / cnt, late_own / cnt);
     }
     const double cyc = at(0, d.L - 1, 3, 7) - at(0, 1, 0, 7), ns = at(0, d.L - 1, 3, 0) - at(0, 1, 0, 0);
     std::printf("  SM clock over the step: %.3f GHz\n", cyc / ns);
@@ -536,9 +543,10 @@ template <int EPT> static void run(const Dims &d, int sms, int only_mode) {
         const float ms = median_ms([&] { launch(STEPS, mode); }, REPS);
         check_err(names[mode]);
         const double us = ms * 1000.0 / (STEPS * d.L);
-        std::printf("%s %-10s %7.2f us a layer (%d slots of %d KiB, %d blocks x %d threads; weights %.2f MB a layer, "
-                    "%.2f TB/s)\n",
-                    d.name, names[mode], us, ns, SLOT / 1024, sms, THREADS, bytes / 1e6, bytes / us / 1e6);
+        std::printf("%s %-10s %7.2f us a layer (%d slots of %d KiB, %d blocks x %d threads; weights %.2f MB a layer",
+                    d.name, names[mode], us, ns, SLOT / 1024, sms, THREADS, bytes / 1e6);
+        if (mode <= NO_HANDOFF) std::printf(", %.2f TB/s", bytes / us / 1e6);  // the others read none
+        std::printf(")\n");
         if (STAMPS && mode != NO_HANDOFF) print_stamps(d, sms, m.stamps);
     }
     for (int p = 0; p < 4; ++p) CHECK(cudaFree((void *)m.w[p]));

@@ -329,8 +329,10 @@ struct Acts {
     /// [`fold_stride`] floats, `[h (inter) | x (hidden) | u (qkv)]`; layer `l` uses buffer
     /// `l % 2` (its residual x, its MLP's h, and u, its q/k/v before the norm's scalar, written
     /// by the previous layer's down projection) and its down projection reads `[h | x]` and
-    /// writes the other buffer's `[x | u]`.
-    fold: CudaSlice<f32>,
+    /// writes the other buffer's `[x | u]`. Allocated by `set_folded_qkv` with the folded
+    /// matrices and freed with them (the decode activations only), so that an unfolded
+    /// runner allocates nothing for it.
+    fold: Option<CudaSlice<f32>>,
 }
 
 /// Floats in one of [`Acts::fold`]'s two buffers.
@@ -364,7 +366,7 @@ impl Acts {
             attn_counters: alloc::<u32>(ctx, stream, s.heads, "attention split counters")?,
             part_o: alloc::<f32>(ctx, stream, s.heads * s.hidden, "o projection partials")?,
             o_ticket: alloc::<u32>(ctx, stream, crate::plan::ATTN_MAX_CLUSTER, "o projection tickets")?,
-            fold: a(2 * fold_stride(s), "activations (folded q/k/v)")?,
+            fold: None,
         })
     }
 }
@@ -819,6 +821,7 @@ impl CudaDecodeRunner {
         if !self.reducer.is_identity() {
             // A TP rank's step has no fused norms, so the folded q/k/v would never run.
             self.w.fold = None;
+            self.decode.fold = None;
         }
     }
     /// Splits the LM head of device-fed steps over `world` tensor-parallel ranks, this runner
@@ -956,9 +959,10 @@ impl CudaDecodeRunner {
     /// (`FERRUM_FOLD_QKV=1` turns it on for every new runner): at SmolLM2-135M, where a layer's
     /// kernels are nearly all fixed cost, the saved q/k/v GEMV (~2.4 us) went to the larger
     /// down GEMV (+1.0 us) and the attention's norm (+0.3 us after its loads joined the
-    /// row's), +0.3% a token in all (docs/PERF.md, session 35); larger models lose, since M
-    /// grows as `qkv x inter`: Llama-3-8B (210 MB more a layer) measured 270 -> 170 tok/s
-    /// (-37%, session 36), and the call warns above `plan::FOLD_MAX_EXTRA_BYTES`. The logits
+    /// row's), +0.3% a token in all (docs/PERF.md, session 35; -1.0% in session 36: noise
+    /// either way); larger models lose, since M grows as `qkv x inter`: Llama-3-8B (210 MB more
+    /// a layer) measured 270 -> 170 tok/s (-37%, session 36), and the call warns above
+    /// `plan::FOLD_MAX_EXTRA_BYTES`. The logits
     /// differ from the unfolded step's by rounding only (M's rounding to the dtype is the
     /// largest term; the GPU tests compare both with the CPU reference and with each other).
     ///
@@ -987,6 +991,7 @@ impl CudaDecodeRunner {
             && self.k.fuse_rope
             && self.reducer.is_identity();
         if !on || !possible {
+            self.decode.fold = None;
             if self.w.fold.take().is_some() {
                 self.generation += 1;
             }
@@ -1038,9 +1043,17 @@ impl CudaDecodeRunner {
             // Built as asked (an explicit opt-in), but the caller should know what it costs.
             tracing::warn!(
                 extra_mb_a_layer = extra as f64 / 1e6,
-                "the folded q/k/v projection reads more a layer than the kernel it saves is worth: \
-                 expect a slower step (Llama-3-8B measured -37%)"
+                "the folded q/k/v projection reads more a layer than the kernel it saves can be \
+                 worth: expect a slower step (Llama-3-8B measured -37%)"
             );
+        }
+        match alloc::<f32>(&self.ctx, &self.k.stream, 2 * fold_stride(s), "activations (folded q/k/v)") {
+            Ok(acts) => self.decode.fold = Some(acts),
+            Err(e @ Error::OutOfMemory { .. }) => {
+                tracing::warn!(%e, "not folding the q/k/v projections");
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
         }
         self.w.fold = Some(mats);
         self.generation += 1;
@@ -2125,14 +2138,16 @@ fn forward(
     // The folded q/k/v projection (CudaDecodeRunner::set_folded_qkv): one token on the fused
     // path with the attention's own RoPE (the row-walking kernel, no o fusion). Layer li's
     // activations are then buffer li % 2 of a.fold, `[h | x | u]` (Acts::fold).
-    let fold = match &w.fold {
-        Some(f) if fused_norms && fused_rope && !fused_o && decode && f.len() + 1 == w.layers.len() => Some(f),
+    let fold = match (&w.fold, &a.fold) {
+        (Some(f), Some(buf)) if fused_norms && fused_rope && !fused_o && decode && f.len() + 1 == w.layers.len() => {
+            Some((f, buf))
+        }
         _ => None,
     };
     let fw = fold_stride(s);
     // Layer li's residual x (`[hidden]`, one token on the fused path).
     let x_of = |li: usize| match fold {
-        Some(_) => region(&a.fold, st, (li % 2) * fw + inter, h),
+        Some((_, buf)) => region(buf, st, (li % 2) * fw + inter, h),
         None => region(&a.x, st, 0, h),
     };
     match fold {
@@ -2162,12 +2177,11 @@ fn forward(
     for (li, lw) in w.layers.iter().enumerate() {
         // Folded, past layer 0: the previous down projection wrote u (q/k/v before the norm's
         // scalar) after this layer's x, and the attention applies the scalar.
-        let folded_in = fold.is_some() && li > 0;
-        let (qkv_row, pre) = if folded_in {
-            (region(&a.fold, st, (li % 2) * fw + inter + h, qkv_dim)?, x_of(li)?)
-        } else {
-            (region(&a.qkv, st, 0, n * qkv_dim)?, Region::null())
+        let (qkv_row, pre) = match fold {
+            Some((_, buf)) if li > 0 => (region(buf, st, (li % 2) * fw + inter + h, qkv_dim)?, x_of(li)?),
+            _ => (region(&a.qkv, st, 0, n * qkv_dim)?, Region::null()),
         };
+        let folded_in = fold.is_some() && li > 0;
         if folded_in {
             // (u is already in place)
         } else if fused_norms {
@@ -2297,15 +2311,18 @@ fn forward(
             }
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
             let cur = (li % 2) * fw;
-            let hr = if fold.is_some() { region(&a.fold, st, cur, inter)? } else { region(&a.h, st, 0, inter)? };
+            let hr = match fold {
+                Some((_, buf)) => region(buf, st, cur, inter)?,
+                None => region(&a.h, st, 0, inter)?,
+            };
             k.gemv_gateup_io(hr, whole(&lw.wgu, st)?, x_of(li)?, inter, h, mlp_norm)?;
-            match fold.and_then(|f| f.get(li)) {
+            match fold.and_then(|(f, buf)| f.get(li).map(|d| (d, buf))) {
                 // [x' | u'] (the other buffer) = D [h | x]: the next layer's residual and its q/k/v
                 // before the norm's scalar (misc.cu's fold_qkv)
-                Some(d) => k.gemv_io(
-                    region(&a.fold, st, fw - cur + inter, h + qkv_dim)?,
+                Some((d, buf)) => k.gemv_io(
+                    region(buf, st, fw - cur + inter, h + qkv_dim)?,
                     whole(d, st)?,
-                    region(&a.fold, st, cur, inter + h)?,
+                    region(buf, st, cur, inter + h)?,
                     h + qkv_dim,
                     inter + h,
                     GemvIo::Plain,
