@@ -91,9 +91,15 @@ mod tests {
 
     #[test]
     fn every_kernel_is_in_the_ptx() {
-        for k in Kernel::ALL {
-            let needle = format!(".entry {}(", k.name());
-            assert!(ptx::MODULES.iter().any(|(_, p)| p.contains(&needle)), "{} missing", k.name());
+        // In its own module (the one the runner looks it up in) and in no other, in both PTX
+        // sets: a kernel listed under the wrong module would otherwise fail only at load time,
+        // on a GPU.
+        for set in [ptx::MODULES, ptx::MODULES_SM90] {
+            for k in Kernel::ALL {
+                let needle = format!(".entry {}(", k.name());
+                let holders: Vec<&str> = set.iter().filter(|(_, p)| p.contains(&needle)).map(|(n, _)| *n).collect();
+                assert_eq!(holders, [k.module()], "{}", k.name());
+            }
         }
         assert_eq!(Kernel::ALL.len(), KERNEL_NAMES.len());
     }
