@@ -1002,6 +1002,16 @@ impl CudaDecodeRunner {
         }
         let n = (h + q).checked_mul(inter + h).ok_or_else(|| Error::InvalidArgument("fold size overflows".into()))?;
         let (ctx, st) = (&self.ctx, &self.k.stream);
+        // The small activation buffer first: running out of memory here wastes no matrix
+        // building. Stored only at the end, with the matrices (never one without the other).
+        let acts = match alloc::<f32>(ctx, st, 2 * fold_stride(s), "activations (folded q/k/v)") {
+            Ok(acts) => acts,
+            Err(e @ Error::OutOfMemory { .. }) => {
+                tracing::warn!(%e, "not folding the q/k/v projections");
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
+        };
         let bad = alloc::<i32>(ctx, st, 1, "folded q/k/v check")?;
         let mut mats = Vec::with_capacity(s.layers - 1);
         for (lw, next) in self.w.layers.iter().zip(&self.w.layers[1..]) {
@@ -1047,14 +1057,7 @@ impl CudaDecodeRunner {
                  worth: expect a slower step (Llama-3-8B measured -37%)"
             );
         }
-        match alloc::<f32>(&self.ctx, &self.k.stream, 2 * fold_stride(s), "activations (folded q/k/v)") {
-            Ok(acts) => self.decode.fold = Some(acts),
-            Err(e @ Error::OutOfMemory { .. }) => {
-                tracing::warn!(%e, "not folding the q/k/v projections");
-                return Ok(false);
-            }
-            Err(e) => return Err(e),
-        }
+        self.decode.fold = Some(acts);
         self.w.fold = Some(mats);
         self.generation += 1;
         Ok(true)
