@@ -388,7 +388,7 @@ template <typename T> struct RopeArgs {
     const float *inv_freq;
     T *k_out, *v_out;                 // the caches (k_cache / v_cache), written at row pos
     float eps;
-    // The folded q/k/v projection (misc.cu's fold_qkv; null in every other launch): the row is
+    // The folded q/k/v projection (fold.cu's fold_qkv; null in every other launch): the row is
     // u, q/k/v before the scalar rn of the layer's RMSNorm, and pre_x (pre_n floats) is the
     // residual r that rn normalises: rn = rsqrt(mean(r^2) + eps).
     const float *pre_x;
@@ -1614,8 +1614,11 @@ __device__ void attn_combine(float *out, const float *part_acc, const float *par
         attn_combine(out, part_acc, part_ml, heads, hd, n_splits);                                 \
     }
 
+// fold.cu includes this file for its templates and instantiates only its own kernels.
+#ifndef FERRUM_FOLD_MODULE
 FERRUM_ATTN(f16, f16)
 FERRUM_ATTN(bf16, bf16)
+#endif
 
 // The fused decode attention with its own kernel per head dim (plan::ATTN_OWN_HEAD_DIMS; the
 // host launches these for that head dim only and passes it anyway, so the signature is the
@@ -1646,14 +1649,17 @@ FERRUM_ATTN(bf16, bf16)
     FERRUM_ATTN_ROPE_HD_KERNEL(ferrum_attn_rope_hd##HD##_##S, T, HD, false)                        \
     FERRUM_ATTN_ROPE_HD_KERNEL(ferrum_attn_rope_early_hd##HD##_##S, T, HD, true)
 
+#ifndef FERRUM_FOLD_MODULE
 FERRUM_ATTN_ROPE_HD(f16, f16, 128)
 FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)
+#endif
 
 // The fused decode attention of the folded q/k/v projection (RopeArgs::pre_x; opt-in:
 // CudaDecodeRunner::set_folded_qkv), one instance per head dim of plan::FOLD_HEAD_DIMS: the
 // generic kernel's parameters, then the residual r (pre_x, pre_n floats) whose norm scalar the
 // kernel applies to the raw row. Instances of their own, so that the default kernels carry none
-// of its code. NAME ferrum_attn_rope[_early]_fold_hdHD_S.
+// of its code, instantiated in a module of their own (fold.cu) so that this one is what it was
+// before the fold. NAME ferrum_attn_rope[_early]_fold_hdHD_S.
 #define FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(NAME, T, HD, EARLY)                                        \
     extern "C" __global__ void __launch_bounds__(256, 1) NAME(                                     \
         const float *qkv, int q_stride, T *k_cache, T *v_cache, float *out, float *part_acc,       \
@@ -1672,10 +1678,6 @@ FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)
     FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(ferrum_attn_rope_fold_hd##HD##_##S, T, HD, false)              \
     FERRUM_ATTN_ROPE_FOLD_HD_KERNEL(ferrum_attn_rope_early_fold_hd##HD##_##S, T, HD, true)
 
-FERRUM_ATTN_ROPE_FOLD_HD(f16, f16, 64)
-FERRUM_ATTN_ROPE_FOLD_HD(bf16, bf16, 64)
-FERRUM_ATTN_ROPE_FOLD_HD(f16, f16, 128)
-FERRUM_ATTN_ROPE_FOLD_HD(bf16, bf16, 128)
 
 // The fused decode attention that also adds the o projection to the residual (OArgs above;
 // opt-in: plan::attn_o), one kernel per head dim of plan::ATTN_O_HEAD_DIMS, the generic
@@ -1700,5 +1702,7 @@ FERRUM_ATTN_ROPE_FOLD_HD(bf16, bf16, 128)
     FERRUM_ATTN_ROPE_O_HD_KERNEL(ferrum_attn_rope_o_hd##HD##_##S, T, HD, false)                    \
     FERRUM_ATTN_ROPE_O_HD_KERNEL(ferrum_attn_rope_early_o_hd##HD##_##S, T, HD, true)
 
+#ifndef FERRUM_FOLD_MODULE
 FERRUM_ATTN_ROPE_O_HD(f16, f16, 64)
 FERRUM_ATTN_ROPE_O_HD(bf16, bf16, 64)
+#endif

@@ -79,14 +79,14 @@ kernels! {
     AttnRopeEarlyHd128F16 => "ferrum_attn_rope_early_hd128_f16" in "attention",
     AttnRopeEarlyHd128Bf16 => "ferrum_attn_rope_early_hd128_bf16" in "attention",
     /// The fused decode attention of the folded q/k/v projection (`plan::FOLD_HEAD_DIMS`).
-    AttnRopeFoldHd64F16 => "ferrum_attn_rope_fold_hd64_f16" in "attention",
-    AttnRopeFoldHd64Bf16 => "ferrum_attn_rope_fold_hd64_bf16" in "attention",
-    AttnRopeEarlyFoldHd64F16 => "ferrum_attn_rope_early_fold_hd64_f16" in "attention",
-    AttnRopeEarlyFoldHd64Bf16 => "ferrum_attn_rope_early_fold_hd64_bf16" in "attention",
-    AttnRopeFoldHd128F16 => "ferrum_attn_rope_fold_hd128_f16" in "attention",
-    AttnRopeFoldHd128Bf16 => "ferrum_attn_rope_fold_hd128_bf16" in "attention",
-    AttnRopeEarlyFoldHd128F16 => "ferrum_attn_rope_early_fold_hd128_f16" in "attention",
-    AttnRopeEarlyFoldHd128Bf16 => "ferrum_attn_rope_early_fold_hd128_bf16" in "attention",
+    AttnRopeFoldHd64F16 => "ferrum_attn_rope_fold_hd64_f16" in "fold",
+    AttnRopeFoldHd64Bf16 => "ferrum_attn_rope_fold_hd64_bf16" in "fold",
+    AttnRopeEarlyFoldHd64F16 => "ferrum_attn_rope_early_fold_hd64_f16" in "fold",
+    AttnRopeEarlyFoldHd64Bf16 => "ferrum_attn_rope_early_fold_hd64_bf16" in "fold",
+    AttnRopeFoldHd128F16 => "ferrum_attn_rope_fold_hd128_f16" in "fold",
+    AttnRopeFoldHd128Bf16 => "ferrum_attn_rope_fold_hd128_bf16" in "fold",
+    AttnRopeEarlyFoldHd128F16 => "ferrum_attn_rope_early_fold_hd128_f16" in "fold",
+    AttnRopeEarlyFoldHd128Bf16 => "ferrum_attn_rope_early_fold_hd128_bf16" in "fold",
     /// `AttnRope*` / `AttnRopeEarly*` for head dim 64 that also add the o projection to the
     /// residual (x += W_o attn; opt-in, `plan::attn_o`: one GPU, the cluster merge).
     AttnRopeOHd64F16 => "ferrum_attn_rope_o_hd64_f16" in "attention",
@@ -167,14 +167,14 @@ kernels! {
     HeadScreenNormBf16 => "ferrum_head_screen_norm_bf16" in "misc",
     /// The screened LM head's pick: the best re-read row becomes the token.
     HeadPick => "ferrum_head_pick" in "misc",
-    /// The folded q/k/v projection (misc.cu): a down projection that also gives the next
+    /// The folded q/k/v projection (fold.cu): a down projection that also gives the next
     /// layer's q/k/v, built once.
-    FoldQkvF16 => "ferrum_fold_qkv_f16" in "misc",
-    FoldQkvBf16 => "ferrum_fold_qkv_bf16" in "misc",
+    FoldQkvF16 => "ferrum_fold_qkv_f16" in "fold",
+    FoldQkvBf16 => "ferrum_fold_qkv_bf16" in "fold",
     /// Hash-based uniform init (synthetic weights).
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",
 }
 
 /// The PTX modules (`ferrum-cuda/ptx/<name>.ptx`, built from `kernels/<name>.cu`).
-pub const PTX_MODULES: &[&str] = &["norm", "attention", "gemv", "misc"];
+pub const PTX_MODULES: &[&str] = &["norm", "attention", "gemv", "misc", "fold"];

@@ -24,6 +24,7 @@ pub mod ptx {
         ("attention", include_str!("../ptx/attention.ptx")),
         ("gemv", include_str!("../ptx/gemv.ptx")),
         ("misc", include_str!("../ptx/misc.ptx")),
+        ("fold", include_str!("../ptx/fold.ptx")),
     ];
     /// The compute_90 build with programmatic dependent launch (`-DFERRUM_PDL`), same order.
     pub const MODULES_SM90: &[(&str, &str)] = &[
@@ -31,6 +32,7 @@ pub mod ptx {
         ("attention", include_str!("../ptx/sm90/attention.ptx")),
         ("gemv", include_str!("../ptx/sm90/gemv.ptx")),
         ("misc", include_str!("../ptx/sm90/misc.ptx")),
+        ("fold", include_str!("../ptx/sm90/fold.ptx")),
     ];
 }
 

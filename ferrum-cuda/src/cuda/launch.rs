@@ -284,7 +284,7 @@ pub(crate) struct AttnRope<'a> {
     pub k_norm: Region<'a, u16>,
     pub inv_freq: Region<'a, f32>,
     pub eps: f32,
-    /// The folded q/k/v projection (misc.cu's fold_qkv; null otherwise): the row is u, q/k/v
+    /// The folded q/k/v projection (fold.cu's fold_qkv; null otherwise): the row is u, q/k/v
     /// before the layer's RMSNorm scalar, and this is the residual `[hidden]` it normalises.
     pub pre: Region<'a, f32>,
     /// Copy the split's past K/V rows to shared memory before the programmatic-launch wait
@@ -1777,7 +1777,7 @@ impl Kernels {
             .map_err(Error::driver("head_quantize"))
     }
 
-    /// The folded q/k/v projection's matrix (misc.cu's fold_qkv): from a layer's down
+    /// The folded q/k/v projection's matrix (fold.cu's fold_qkv): from a layer's down
     /// projection `wd` (`hidden x inter`) and the next layer's q/k/v `wqkv` (`qkv x hidden`) and
     /// input norm weight `n1`, `out` (`(hidden + qkv) x (inter + hidden)`) =
     /// `[W_d | I; W_qkv diag(n1) W_d | W_qkv diag(n1)]`; sets `bad[0]` (which must hold 0

@@ -246,7 +246,7 @@ struct Weights {
     final_norm: CudaSlice<u16>,
     /// `None`: tied to `embed`.
     lm_head: Option<CudaSlice<u16>>,
-    /// The folded q/k/v projection ([`CudaDecodeRunner::set_folded_qkv`]; misc.cu's fold_qkv):
+    /// The folded q/k/v projection ([`CudaDecodeRunner::set_folded_qkv`]; fold.cu's fold_qkv):
     /// for each layer but the last, its down projection with the next layer's q/k/v,
     /// `[(hidden + qkv) x (inter + hidden)]`.
     fold: Option<Vec<CudaSlice<u16>>>,
@@ -2321,7 +2321,7 @@ fn forward(
             k.gemv_gateup_io(hr, whole(&lw.wgu, st)?, x_of(li)?, inter, h, mlp_norm)?;
             match fold.and_then(|(f, buf)| f.get(li).map(|d| (d, buf))) {
                 // [x' | u'] (the other buffer) = D [h | x]: the next layer's residual and its q/k/v
-                // before the norm's scalar (misc.cu's fold_qkv)
+                // before the norm's scalar (fold.cu's fold_qkv)
                 Some((d, buf)) => k.gemv_io(
                     region(buf, st, fw - cur + inter, h + qkv_dim)?,
                     whole(d, st)?,
