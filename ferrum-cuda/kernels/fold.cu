@@ -2,13 +2,15 @@
 // their own: the builder of the folded matrix and the decode attention instances that apply the
 // norm's scalar themselves (attention.cu's templates, included below with its own kernels left
 // out). Apart, so that the default modules are what they were before the fold existed: session
-// 36 measured the build with these kernels inside attention.cu and misc.cu 1.2% slower at
-// SmolLM2-135M with every kernel the step runs the same in SASS.
+// 36 measured the build with these kernels inside attention.cu and misc.cu 1.1-1.2% slower at
+// SmolLM2-135M than session 34's, with every kernel the step runs the same in SASS (the cause
+// not isolated: this split is the experiment).
 #define FERRUM_FOLD_MODULE
 #include "attention.cu"
 
 // The folded q/k/v projection (CudaDecodeRunner::set_folded_qkv; opt-in: it saves a kernel a
-// layer for a few MB of weights, +0.2-0.3% at SmolLM2-135M: docs/PERF.md, session 35). Layer
+// layer for a few MB of weights, +0.2-0.3% at SmolLM2-135M in session 35, -1.0% in
+// session 36: docs/PERF.md). Layer
 // l's down projection also computes layer l + 1's q, k and v before their RMSNorm's scalar: with
 // r = x + W_d h the residual that layer l + 1 normalises, its projection is
 //   W_qkv (n1 * r * rn(r)) = rn(r) * (W_qkv diag(n1) x + W_qkv diag(n1) W_d h),

@@ -141,8 +141,8 @@ pub fn fold_qkv(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_FOLD_QKV", value, 0, 1)? == Some(1))
 }
 
-/// Head dims with a folded-q/k/v attention kernel (attention.cu's
-/// `ferrum_attn_rope[_early]_fold_hd*`): SmolLM2's 64 and Llama's 128.
+/// Head dims with a folded-q/k/v attention kernel (`ferrum_attn_rope[_early]_fold_hd*`,
+/// attention.cu's template instantiated in fold.cu): SmolLM2's 64 and Llama's 128.
 pub const FOLD_HEAD_DIMS: &[usize] = &[64, 128];
 
 /// Bytes a layer's folded down projection reads beyond the unfolded down and q/k/v
