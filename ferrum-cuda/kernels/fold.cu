@@ -1,10 +1,11 @@
 // The folded q/k/v projection's kernels (opt-in: CudaDecodeRunner::set_folded_qkv), a module of
 // their own: the builder of the folded matrix and the decode attention instances that apply the
 // norm's scalar themselves (attention.cu's templates, included below with its own kernels left
-// out). Apart, so that the default modules are what they were before the fold existed: session
-// 36 measured the build with these kernels inside attention.cu and misc.cu 1.1-1.2% slower at
-// SmolLM2-135M than session 34's, with every kernel the step runs the same in SASS (the cause
-// not isolated: this split is the experiment).
+// out). Apart, so that the default modules hold the default kernels only. (Session 36 measured
+// the build with these kernels inside attention.cu and misc.cu 1.1-1.2% slower at SmolLM2-135M
+// than session 34's; session 37 found this split no faster, and the build as fast as session
+// 34's with SmolLM2-135M's gate|up GEMV launched as 4-row warps, which the same launch choices
+// did not need there: the cause is not isolated, docs/PERF.md.)
 #define FERRUM_FOLD_MODULE
 #include "attention.cu"
 

@@ -5,7 +5,9 @@
 //! linears are dequantized first. `--synthetic` shapes get random weights generated on the GPU.
 
 use candle_core::{DType, Tensor};
-use ferrum_cuda::{CudaDecodeRunner, CudaModelSpec, HostData, HostLayer, HostTensor, HostWeights};
+use std::time::Instant;
+
+use ferrum_cuda::{CudaDecodeRunner, CudaModelSpec, GemvShape, HostData, HostLayer, HostTensor, HostWeights};
 
 use crate::backend::{drive_device_batches, DecodeBackend, DeviceRun, DeviceSampling};
 use crate::config::ModelConfig;
@@ -13,6 +15,9 @@ use crate::cuda_rank::{CudaRank, DeviceLoopStats};
 use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::session::SessionOptions;
+use crate::step_tune::{
+    coordinate_descent, gemv_set, median, ShapeChoice, StepTune, StepTuneReport, TUNE_MARGIN, TUNE_REPS, TUNE_STEPS,
+};
 use crate::weights::{Linear, ModelWeights};
 
 /// Maps ferrum-cuda's errors onto ferrum-runner's.
@@ -247,6 +252,86 @@ impl CudaBackend {
     }
 }
 
+/// The sequence a step-level tuning decodes: a prompt of [`TUNE_PROMPT`] tokens (token 0), then
+/// [`TUNE_STEPS`] steps from there, in a cache of [`TUNE_CAPACITY`] rows: the shape of issue
+/// 6's benchmark (a 128-token prompt, 256 new tokens). The attention's split count follows
+/// the capacity and its length the position, and both change how the GEMVs around it overlap:
+/// tuned on steps 1-32 of a 512-row cache, SmolLM2-135M kept gate|up and LM head variants that
+/// ran 1.3% slower in the benchmark (session 37, docs/PERF.md).
+const TUNE_PROMPT: usize = 128;
+const TUNE_CAPACITY: usize = 384;
+const _: () = assert!(TUNE_PROMPT + TUNE_STEPS <= TUNE_CAPACITY);
+
+impl CudaBackend {
+    /// Tunes the GEMV launch variants on the whole captured step ([`crate::step_tune`]): after
+    /// a prompt of [`TUNE_PROMPT`] tokens, the device decodes greedily, [`TUNE_STEPS`] steps a
+    /// measurement from the prompt's end, each shape's candidates in turn. The variants give
+    /// bit-identical results, so only speed changes. Runs only with graphs (eager steps time
+    /// the host) and when `mode` wants the step's length; `None` when it did not run. Any
+    /// sequence is released first; afterwards there is none (the next
+    /// [`prefill`](DecodeBackend::prefill) starts one).
+    pub fn tune_step(&mut self, mode: StepTune) -> Result<Option<StepTuneReport>> {
+        let shapes = self.rank.runner().gemv_shapes();
+        if mode == StepTune::Off || !self.rank.graphed() || shapes.iter().all(|s| s.candidates.len() < 2) {
+            return Ok(None);
+        }
+        let t0 = Instant::now();
+        self.new_sequence(TUNE_CAPACITY)?;
+        let prompt = self.rank.runner().prefill(SEQ, &[0; TUNE_PROMPT]).map(|_| ()).map_err(cuda_error);
+        let out = prompt.and_then(|()| self.tune_shapes(mode, &shapes));
+        // The tuning's sequence goes whatever happened; an error of the tuning comes first.
+        let released = self.rank.runner().release(SEQ).map_err(cuda_error);
+        self.active = false;
+        let out = out?;
+        released?;
+        Ok(out.map(|(first, best, choices)| StepTuneReport {
+            first_step_s: first / TUNE_STEPS as f64,
+            best_step_s: best / TUNE_STEPS as f64,
+            shapes: choices
+                .into_iter()
+                .map(|c| ((shapes[c.shape].rows, shapes[c.shape].cols, shapes[c.shape].gateup), c))
+                .collect(),
+            wall_s: t0.elapsed().as_secs_f64(),
+        }))
+    }
+
+    /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence.
+    fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<Option<(f64, f64, Vec<ShapeChoice>)>> {
+        let start = measure_step(&mut self.rank)?;
+        if !mode.wants(start / TUNE_STEPS as f64) {
+            return Ok(None);
+        }
+        let list: Vec<(usize, Vec<usize>)> = shapes.iter().map(|s| (s.variant, s.candidates.clone())).collect();
+        // Both closures need the rank (one at a time).
+        let rank = std::cell::RefCell::new(&mut self.rank);
+        let mut set = |i: usize, v: usize| {
+            let s = &shapes[i];
+            rank.borrow_mut().runner().set_gemv_variant(s.rows, s.cols, s.gateup, v).map_err(cuda_error)
+        };
+        let mut measure = || measure_step(&mut rank.borrow_mut());
+        coordinate_descent(&list, TUNE_MARGIN, &mut set, &mut measure).map(Some)
+    }
+}
+
+/// Seconds for [`TUNE_STEPS`] device-fed greedy steps of the tuning sequence from the end of
+/// its prompt:
+/// the median of [`TUNE_REPS`] timed runs, after one untimed run (which captures the graph
+/// when the settings changed). Each run waits for its tokens, so it times the GPU's steps plus
+/// one read-back, the same for every setting.
+fn measure_step(rank: &mut CudaRank) -> Result<f64> {
+    let mut times = Vec::with_capacity(TUNE_REPS);
+    for rep in 0..=TUNE_REPS {
+        rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
+        let t = Instant::now();
+        rank.device_steps(SEQ, TUNE_PROMPT + 1, TUNE_STEPS, DeviceSampling::Greedy)?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    rank.device_end(SEQ, TUNE_PROMPT + TUNE_STEPS)?;
+    Ok(median(times))
+}
+
 impl DecodeBackend for CudaBackend {
     fn vocab_size(&self) -> usize {
         self.rank.spec_vocab()
@@ -372,7 +457,28 @@ pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bo
             eprintln!("uploading weights: {:.1} / {:.1} GB", done as f64 / 1e9, total as f64 / 1e9);
         }
     };
-    Ok(Box::new(CudaBackend::new(build_runner(&m.weights, dtype, ordinal, &mut cb)?)))
+    tuned(CudaBackend::new(build_runner(&m.weights, dtype, ordinal, &mut cb)?))
+}
+
+/// A one-GPU backend after the step-level tuning `FERRUM_STEP_TUNE` asks for
+/// ([`CudaBackend::tune_step`]; its decisions are logged, `RUST_LOG=ferrum_runner=info`) and the
+/// variants `FERRUM_GEMV_SET` names ([`gemv_set`](crate::step_tune::gemv_set)).
+fn tuned(mut b: CudaBackend) -> Result<Box<dyn DecodeBackend>> {
+    if let Some(r) = b.tune_step(StepTune::from_env()?)? {
+        for ((rows, cols, gateup), c) in &r.shapes {
+            tracing::info!(rows, cols, gateup, from = c.from, to = c.to, timed = ?c.timed, "step tuning: GEMV variant");
+        }
+        tracing::info!(
+            step_us_before = r.first_step_s * 1e6,
+            step_us_after = r.best_step_s * 1e6,
+            tuning_ms = r.wall_s * 1e3,
+            "step tuning done"
+        );
+    }
+    for ((rows, cols, gateup), v) in gemv_set(std::env::var("FERRUM_GEMV_SET").ok().as_deref())? {
+        b.runner().set_gemv_variant(rows, cols, gateup, v).map_err(cuda_error)?;
+    }
+    Ok(Box::new(b))
 }
 
 /// Opens a random-weight model of shape `cfg` (weights generated on the GPU, TP shards as slices
@@ -393,7 +499,7 @@ pub fn open_synthetic(
         return Ok((backend, crate::cuda_tp::shard_bytes_per_token(cfg, opts.tp)?));
     }
     let runner = CudaDecodeRunner::random(spec_of(cfg), dtype, 0x5eed, ordinal).map_err(cuda_error)?;
-    Ok((Box::new(CudaBackend::new(runner)), weight_bytes_per_token(cfg, opts)))
+    Ok((tuned(CudaBackend::new(runner))?, weight_bytes_per_token(cfg, opts)))
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ pub mod sampling;
 pub mod screen;
 pub mod session;
 pub mod shard;
+pub mod step_tune;
 pub mod synthetic;
 pub mod tokenizer;
 pub mod tp;

@@ -852,6 +852,65 @@ fn gemv_variants_are_bit_identical() {
     }
 }
 
+/// The step-level tuning ([`ferrum_runner::step_tune`]) changes speed only: the device loop's
+/// tokens and the host loop's logits are bit-identical before and after it, every shape ends
+/// at one of its candidates, the sequence it decoded is gone, and `set_gemv_variant` refuses
+/// shapes and variants it must not launch (changing nothing).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn step_tuning_changes_no_result_and_refuses_bad_variants() {
+    use ferrum_runner::step_tune::StepTune;
+    init();
+    let mut tuned = 0;
+    for arch in ARCHS {
+        let mut cfg = config(arch, false, 2);
+        cfg.vocab_size = 1001;
+        let w = weights(&cfg, 61);
+        let p = prompt(24, cfg.vocab_size, 4);
+        let mut b = tp1(&w);
+        let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+        let logits_before: Vec<Vec<u32>> = host_logits(&mut b, &p, 8, 80).iter().map(|l| bits(l)).collect();
+        assert!(b.tune_step(StepTune::Off).unwrap().is_none());
+        let shapes = b.runner().gemv_shapes();
+        assert_eq!(shapes.len(), 5, "{shapes:?}");
+        let Some(r) = b.tune_step(StepTune::On).unwrap() else {
+            // Only where no shape has a second candidate (then nothing can change).
+            assert!(shapes.iter().all(|s| s.candidates.len() < 2), "{arch:?}: no tuning with {shapes:?}");
+            continue;
+        };
+        tuned += 1;
+        println!(
+            "{arch:?}: step tuning {:.1} -> {:.1} us a step in {:.0} ms, {:?}",
+            r.first_step_s * 1e6,
+            r.best_step_s * 1e6,
+            r.wall_s * 1e3,
+            r.shapes.iter().map(|(k, c)| (k, c.from, c.to)).collect::<Vec<_>>()
+        );
+        assert!(r.first_step_s > 0.0 && r.best_step_s > 0.0 && r.best_step_s <= r.first_step_s);
+        let after = b.runner().gemv_shapes();
+        for ((rows, cols, gateup), c) in &r.shapes {
+            let s = after.iter().find(|s| (s.rows, s.cols, s.gateup) == (*rows, *cols, *gateup)).unwrap();
+            assert_eq!(s.variant, c.to, "{s:?}");
+            assert!(s.candidates.contains(&c.to) && c.timed.len() == s.candidates.len(), "{s:?} {c:?}");
+        }
+        // The tuning's sequence was released: a step now is refused like any step before a prefill.
+        assert!(b.step(0).is_err());
+        assert_eq!(device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy), before, "{arch:?}");
+        let logits_after: Vec<Vec<u32>> = host_logits(&mut b, &p, 8, 80).iter().map(|l| bits(l)).collect();
+        assert!(logits_after == logits_before, "{arch:?}: logits changed with the tuning");
+        // Refusals: a shape the runner does not launch, and a variant outside a shape's
+        // candidates; neither changes anything.
+        let s = &after[0];
+        let e = b.runner().set_gemv_variant(s.rows + 1, s.cols, s.gateup, s.variant).unwrap_err();
+        assert!(matches!(e, ferrum_cuda::Error::InvalidArgument(_)), "{e:?}");
+        let outside = (0..ferrum_cuda::plan::GEMV_VARIANT_COUNT + 1).find(|v| !s.candidates.contains(v)).unwrap();
+        let e = b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, outside).unwrap_err();
+        assert!(matches!(e, ferrum_cuda::Error::InvalidArgument(_)), "{e:?}");
+        assert_eq!(b.runner().gemv_shapes(), after);
+    }
+    assert!(tuned > 0, "no architecture had a shape with two candidates: the test checked nothing");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_sampling_never_picks_an_impossible_token() {

@@ -360,6 +360,10 @@ pub(crate) struct Kernels {
     pub(crate) dtype: DType,
     /// The GEMV variant per shape (filled by the runner's start-up tuning).
     pub(crate) gemv_table: GemvTable,
+    /// The variants (indices into [`GEMV_VARIANTS`]) a step-level tuning may choose among per
+    /// shape (`CudaDecodeRunner::set_gemv_variant`): all of them, or the one
+    /// `FERRUM_GEMV_VARIANT` forces.
+    pub(crate) gemv_candidates: std::collections::HashMap<(usize, usize, bool), Vec<usize>>,
     /// Kernels launch with programmatic dependent launch (compute_90 PTX on an sm_90+ GPU).
     pub(crate) pdl: bool,
     /// Decode steps merge the split-KV partials in the attention kernel's last split block
@@ -692,6 +696,7 @@ impl Kernels {
             blas,
             dtype,
             gemv_table: GemvTable::new(),
+            gemv_candidates: Default::default(),
             pdl,
             fuse_merge: fusion.split_merge,
             fuse_cluster: fusion.cluster,

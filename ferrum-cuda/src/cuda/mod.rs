@@ -1629,6 +1629,52 @@ impl CudaDecodeRunner {
         v
     }
 
+    /// The tuned GEMV shapes of this runner's steps, in a fixed order (by rows, columns,
+    /// gate|up), each with its launch variant now and the variants it may launch (indices into
+    /// the variant list, `plan::GEMV_VARIANT_COUNT` of them: all of them, unless
+    /// `FERRUM_GEMV_VARIANT` forces one; the start-up tuning picks among the balanced ones
+    /// only, `plan::gemv_balanced`). For a
+    /// tuning of the whole step ([`set_gemv_variant`](Self::set_gemv_variant)): the start-up
+    /// tuning times each shape alone, and variants that time alike there may not run alike
+    /// between the step's other kernels.
+    pub fn gemv_shapes(&self) -> Vec<GemvShape> {
+        let mut v: Vec<_> = self
+            .k
+            .gemv_table
+            .iter()
+            .map(|(&(rows, cols, gateup), var)| GemvShape {
+                rows,
+                cols,
+                gateup,
+                variant: variant_index(var),
+                candidates: self.k.gemv_candidates.get(&(rows, cols, gateup)).cloned().unwrap_or_default(),
+            })
+            .collect();
+        v.sort_by_key(|s| (s.rows, s.cols, s.gateup));
+        v
+    }
+
+    /// Launches the GEMV shape `(rows, cols, gateup)` with variant `variant` from now on (one
+    /// of the shape's [`candidates`](GemvShape::candidates); its split-K factor is kept, so the
+    /// results stay bit-identical). Captured steps are re-captured (their
+    /// [`DeviceStepKey`] changes). An `InvalidArgument` error, and nothing changed, for a
+    /// shape this runner does not launch or a variant that is not a candidate.
+    pub fn set_gemv_variant(&mut self, rows: usize, cols: usize, gateup: bool, variant: usize) -> Result<()> {
+        let key = (rows, cols, gateup);
+        let ok = self.k.gemv_candidates.get(&key).is_some_and(|c| c.contains(&variant));
+        let (Some(e), true) = (self.k.gemv_table.get_mut(&key), ok) else {
+            return Err(Error::InvalidArgument(format!(
+                "GEMV variant {variant} for the {rows} x {cols} shape (gate|up {gateup}): not one this runner may launch"
+            )));
+        };
+        let v = GemvVariant { ks: e.ks, ..GEMV_VARIANTS[variant] };
+        if *e != v {
+            *e = v;
+            self.generation += 1;
+        }
+        Ok(())
+    }
+
     /// For tests: launches every tuned GEMV shape with variant `i` (of 4), keeping each shape's
     /// split-K factor. All such variants give bit-identical results; this lets a test check that.
     #[doc(hidden)]
@@ -1780,6 +1826,27 @@ impl CudaDecodeRunner {
     }
 }
 
+/// One GEMV shape of the decode step and its launch variants (see
+/// [`CudaDecodeRunner::gemv_shapes`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GemvShape {
+    /// Output rows (gate|up: outputs, each from two weight rows).
+    pub rows: usize,
+    pub cols: usize,
+    /// The stacked gate|up projection.
+    pub gateup: bool,
+    /// The variant launched now.
+    pub variant: usize,
+    /// The variants [`CudaDecodeRunner::set_gemv_variant`] accepts for this shape (the one
+    /// launched now among them); one only when `FERRUM_GEMV_VARIANT` forces it.
+    pub candidates: Vec<usize>,
+}
+
+/// The index of `v`'s launch shape in [`GEMV_VARIANTS`] (its split-K factor aside).
+fn variant_index(v: &GemvVariant) -> usize {
+    GEMV_VARIANTS.iter().position(|g| (g.rows4, g.block) == (v.rows4, v.block)).unwrap_or(0)
+}
+
 /// Captures what `enqueue` queues on `st` into a graph (thread-local capture mode). The capture
 /// is ended whatever `enqueue` returns, so that the stream stays usable after an error.
 fn capture_chain(st: &Arc<CudaStream>, enqueue: impl FnOnce() -> Result<()>) -> Result<CudaGraph> {
@@ -1859,6 +1926,8 @@ fn tune_shapes(ctx: &Arc<CudaContext>, k: &mut Kernels, shapes: Vec<TuneShape<'_
         for (rows, cols, gateup, _) in &shapes {
             let v = GemvVariant { ks: k.gemv_ks(*rows, *cols, *gateup, sms), ..GEMV_VARIANTS[i] };
             k.gemv_table.entry((*rows, *cols, *gateup)).or_insert(v);
+            // Forced: no other variant for a step-level tuning to try.
+            k.gemv_candidates.entry((*rows, *cols, *gateup)).or_insert_with(|| vec![i]);
         }
         return Ok(());
     }
@@ -1935,6 +2004,9 @@ fn tune_shapes(ctx: &Arc<CudaContext>, k: &mut Kernels, shapes: Vec<TuneShape<'_
         let pick = crate::plan::gemv_pick(&timed.iter().map(|t| (t.0, t.1)).collect::<Vec<_>>(), k.gemv_tie);
         let (t, _, v) = pick.map_or((f32::MAX, 0, GemvVariant { ks, ..GemvVariant::default() }), |i| timed[i]);
         k.gemv_table.insert(key, v);
+        // Every variant stays a candidate for a tuning on the whole step, the unbalanced ones
+        // too: what a launch costs between the step's other kernels is what that tuning measures.
+        k.gemv_candidates.insert(key, (0..GEMV_VARIANTS.len()).collect());
         tracing::debug!(rows, cols, gateup, variant = ?v, us = t * 1e3, "GEMV variant chosen");
     }
     Ok(())

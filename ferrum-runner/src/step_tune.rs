@@ -1,0 +1,324 @@
+//! Step-level tuning of the GEMV launch variants: which variant each projection shape
+//! launches, chosen by timing the whole captured decode step rather than each GEMV alone.
+//!
+//! ferrum-cuda's start-up tuning times every shape's launch variants one GEMV at a time (a
+//! chain of that shape, the L2 flushed). At small models the step is a chain of ~1 µs kernels
+//! that overlap at their boundaries (programmatic dependent launch), and a variant's cost there
+//! is not its cost alone. Measured on one H200 (session 37, `docs/PERF.md`): SmolLM2-135M's
+//! q/k/v projection as 480 blocks of 96 threads (variant 1) times within the start-up tuning's
+//! tie margin of its 240-block launch in some processes, and a process that took it stepped in
+//! 381.6 µs against 362.3 with the other (the bimodal processes of sessions 15-29); the step
+//! tuning measured both and moved it back. The variants give bit-identical results, so the
+//! choice is speed only, and the step itself is the measure that counts.
+//!
+//! [`coordinate_descent`] is the search (one pass over the shapes, each shape's candidates
+//! timed with the others fixed, a change kept only when it beats the best so far by more than
+//! a margin); the CUDA backend supplies the timing (`CudaBackend::tune_step`). Whether it runs
+//! is `FERRUM_STEP_TUNE` ([`StepTune::from_env`]).
+
+use crate::error::{Error, Result};
+
+/// `FERRUM_STEP_TUNE`: whether a one-GPU CUDA backend tunes its GEMV variants on the whole
+/// step when it opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepTune {
+    /// `0`: keep the start-up tuning's choices.
+    Off,
+    /// `auto` (unset): tune when one step is short ([`AUTO_MAX_STEP_S`]): there kernel
+    /// boundaries are a large share of the step, and the tuning costs well under a second.
+    Auto,
+    /// `1`: tune whatever the step's length.
+    On,
+}
+
+/// Under [`StepTune::Auto`], the longest step (seconds) that is tuned. A step this long is
+/// mostly weight streaming (Llama-3.2-1B's is ~0.7 ms, Llama-3-8B's ~3.7 ms on an H200), where
+/// the start-up tuning's per-GEMV timing is what the step sees, and where ~20 timed
+/// measurements of [`TUNE_STEPS`] steps would take several seconds.
+pub const AUTO_MAX_STEP_S: f64 = 1.5e-3;
+
+/// Steps per timed measurement. At 135M (~0.37 ms a step) one measurement is ~12 ms, so the
+/// host's timing jitter (tens of µs) is a few tenths of a percent of it.
+pub const TUNE_STEPS: usize = 32;
+
+/// Timed measurements per setting; their median counts.
+pub const TUNE_REPS: usize = 3;
+
+/// A candidate replaces the best setting so far only when its step is faster by more than this
+/// fraction: below it, the difference is within the measurement's noise, and the start-up
+/// choice (measured first) stays.
+pub const TUNE_MARGIN: f64 = 0.003;
+
+impl StepTune {
+    /// Parses `FERRUM_STEP_TUNE`'s value (`None`: unset).
+    pub fn parse(value: Option<&str>) -> Result<Self> {
+        match value.map(str::trim) {
+            None | Some("auto") => Ok(StepTune::Auto),
+            Some("0") => Ok(StepTune::Off),
+            Some("1") => Ok(StepTune::On),
+            Some(v) => Err(Error::InvalidInput(format!("FERRUM_STEP_TUNE={v:?}: expected 0, 1 or auto"))),
+        }
+    }
+
+    /// Reads `FERRUM_STEP_TUNE` from the environment.
+    pub fn from_env() -> Result<Self> {
+        Self::parse(std::env::var("FERRUM_STEP_TUNE").ok().as_deref())
+    }
+
+    /// Whether to tune a model whose step (with the start-up choices) takes `step_s` seconds.
+    pub fn wants(self, step_s: f64) -> bool {
+        match self {
+            StepTune::Off => false,
+            StepTune::Auto => step_s <= AUTO_MAX_STEP_S,
+            StepTune::On => true,
+        }
+    }
+}
+
+/// One shape's decision: its variant before and after, and the step time (seconds a
+/// measurement) with each.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShapeChoice {
+    /// The shape's index in the list given to [`coordinate_descent`].
+    pub shape: usize,
+    pub from: usize,
+    pub to: usize,
+    /// Every candidate timed for this shape, `(variant, seconds)`, in the order timed.
+    pub timed: Vec<(usize, f64)>,
+}
+
+/// A GEMV shape as ferrum-cuda keys it: `(rows, cols, gate|up)`.
+pub type GemvKey = (usize, usize, bool);
+
+/// `FERRUM_GEMV_SET` (`None`: unset, nothing): launch variants for single GEMV shapes, set after
+/// any tuning, as `ROWSxCOLS=V` entries separated by commas, a `g` after COLS for the stacked
+/// gate|up (`960x576=0,1536x576g=3`; rows count outputs, as the `step tuning` log lines do),
+/// `V` a variant index. A measurement knob: each shape must be one the runner launches and `V`
+/// one of its candidates (ferrum-cuda's `set_gemv_variant` checks; results stay bit-identical).
+pub fn gemv_set(value: Option<&str>) -> Result<Vec<(GemvKey, usize)>> {
+    let Some(v) = value else { return Ok(Vec::new()) };
+    let bad = |e: &str| {
+        Error::InvalidInput(format!("FERRUM_GEMV_SET={v:?}: {e} (expected ROWSxCOLS[g]=V entries separated by commas)"))
+    };
+    let mut out = Vec::new();
+    for entry in v.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let (shape, var) = entry.split_once('=').ok_or_else(|| bad(&format!("{entry:?} has no '='")))?;
+        let (rows, cols) = shape.split_once('x').ok_or_else(|| bad(&format!("{shape:?} has no 'x'")))?;
+        let (cols, gateup) = match cols.trim().strip_suffix('g') {
+            Some(c) => (c, true),
+            None => (cols, false),
+        };
+        let num = |t: &str| t.trim().parse::<usize>().ok();
+        let (Some(rows), Some(cols), Some(var)) = (num(rows), num(cols), num(var)) else {
+            return Err(bad(&format!("{entry:?} is not three numbers")));
+        };
+        out.push(((rows, cols, gateup), var));
+    }
+    Ok(out)
+}
+
+/// What a step-level tuning did (`CudaBackend::tune_step`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepTuneReport {
+    /// One step's time (seconds) with the start-up choices, and with the tuned ones.
+    pub first_step_s: f64,
+    pub best_step_s: f64,
+    /// Each searched shape `(rows, cols, gate|up)` and its decision.
+    pub shapes: Vec<(GemvKey, ShapeChoice)>,
+    /// Wall time the tuning took, seconds.
+    pub wall_s: f64,
+}
+
+/// The median of `xs` (the upper one of an even count); `NaN` for none.
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+/// One pass of coordinate descent over `shapes` (each `(variant now, candidates)`): the step
+/// is measured with the current settings, then, shape by shape, with each other candidate of
+/// that shape (the other shapes at their best so far); a candidate is kept when its
+/// measurement beats the best by more than `margin` (a fraction). `set(shape, variant)` sets a
+/// shape's variant; `measure()` times the step with the settings made so far. Every shape ends
+/// at its best candidate (set again where the last one timed was not it). Returns the first
+/// measurement, the last best and each shape's decision. A shape whose only candidate is its
+/// variant now is skipped; an error from `set` or `measure` stops the search and is returned
+/// (the settings may then be any of the candidates, all valid).
+pub fn coordinate_descent(
+    shapes: &[(usize, Vec<usize>)],
+    margin: f64,
+    set: &mut dyn FnMut(usize, usize) -> Result<()>,
+    measure: &mut dyn FnMut() -> Result<f64>,
+) -> Result<(f64, f64, Vec<ShapeChoice>)> {
+    let first = measure()?;
+    let mut best = first;
+    let mut choices = Vec::new();
+    for (i, (now, candidates)) in shapes.iter().enumerate() {
+        if candidates.iter().all(|c| c == now) {
+            continue;
+        }
+        let mut pick = *now;
+        let mut timed = vec![(*now, best)];
+        for &c in candidates.iter().filter(|&&c| c != *now) {
+            set(i, c)?;
+            let t = measure()?;
+            timed.push((c, t));
+            if t < best * (1.0 - margin) {
+                best = t;
+                pick = c;
+            }
+        }
+        if timed.last().map(|t| t.0) != Some(pick) {
+            set(i, pick)?;
+        }
+        choices.push(ShapeChoice { shape: i, from: *now, to: pick, timed });
+    }
+    Ok((first, best, choices))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn the_knob_parses_three_values_and_names_itself_otherwise() {
+        assert_eq!(StepTune::parse(None).unwrap(), StepTune::Auto);
+        assert_eq!(StepTune::parse(Some(" auto ")).unwrap(), StepTune::Auto);
+        assert_eq!(StepTune::parse(Some("0")).unwrap(), StepTune::Off);
+        assert_eq!(StepTune::parse(Some("1")).unwrap(), StepTune::On);
+        for bad in ["", "2", "yes", "on"] {
+            let e = StepTune::parse(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_STEP_TUNE"), "{bad:?}: {e}");
+        }
+        assert!(StepTune::Auto.wants(AUTO_MAX_STEP_S) && !StepTune::Auto.wants(AUTO_MAX_STEP_S * 1.01));
+        assert!(StepTune::On.wants(1.0) && !StepTune::Off.wants(0.0));
+    }
+
+    #[test]
+    fn shape_settings_parse_and_name_the_knob_when_malformed() {
+        assert_eq!(gemv_set(None).unwrap(), vec![]);
+        assert_eq!(
+            gemv_set(Some(" 960x576=0, 1536x576g=3 ,")).unwrap(),
+            vec![((960, 576, false), 0), ((1536, 576, true), 3)]
+        );
+        for bad in ["960x576", "960=1", "ax576=1", "960x576=-1", "960x576h=1"] {
+            let e = gemv_set(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_GEMV_SET"), "{bad:?}: {e}");
+        }
+    }
+
+    /// A cost model: the step's time is a base plus each shape's cost for its variant plus an
+    /// interaction between neighbouring shapes (what timing one GEMV alone cannot see).
+    fn step_time(costs: &[Vec<f64>], pair: &[Vec<Vec<f64>>], v: &[usize]) -> f64 {
+        let mut t = 1.0;
+        for (i, &x) in v.iter().enumerate() {
+            t += costs[i][x];
+            if i + 1 < v.len() {
+                t += pair[i][x][v[i + 1]];
+            }
+        }
+        t
+    }
+
+    /// Runs the search against [`step_time`], checking every `set` is a candidate of its shape.
+    fn run(
+        costs: &[Vec<f64>],
+        pair: &[Vec<Vec<f64>>],
+        shapes: &[(usize, Vec<usize>)],
+        margin: f64,
+    ) -> (Vec<usize>, f64, f64, usize) {
+        let v = std::cell::RefCell::new(shapes.iter().map(|s| s.0).collect::<Vec<_>>());
+        let mut measured = 0;
+        let mut set = |i: usize, c: usize| {
+            assert!(shapes[i].1.contains(&c), "shape {i}: {c} is not a candidate");
+            v.borrow_mut()[i] = c;
+            Ok(())
+        };
+        let mut measure = || {
+            measured += 1;
+            Ok(step_time(costs, pair, &v.borrow()))
+        };
+        let (first, best, _) = coordinate_descent(shapes, margin, &mut set, &mut measure).unwrap();
+        let end = v.borrow().clone();
+        (end, first, best, measured)
+    }
+
+    #[test]
+    fn a_step_interaction_that_timing_alone_misses_is_found() {
+        // Shape 1 alone prefers variant 0 (0.10 vs 0.11), but after shape 0's variant 2 its
+        // variant 1 saves 0.05 in the step.
+        let costs = vec![vec![0.2, 0.2, 0.2], vec![0.10, 0.11, 0.12]];
+        let mut pair = vec![vec![vec![0.0; 3]; 3]; 1];
+        pair[0][2][1] = -0.05;
+        let shapes = vec![(2, vec![0, 1, 2]), (0, vec![0, 1, 2])];
+        let (end, first, best, measured) = run(&costs, &pair, &shapes, 0.003);
+        assert_eq!(end, vec![2, 1]);
+        assert!(best < first);
+        // One measurement to start, then each other candidate once.
+        assert_eq!(measured, 1 + 2 + 2);
+    }
+
+    #[test]
+    fn differences_within_the_margin_keep_the_start_up_choice_and_single_candidates_are_skipped() {
+        let costs = vec![vec![0.5, 0.499], vec![0.3]];
+        let pair = vec![vec![vec![0.0; 1]; 2]];
+        let shapes = vec![(0, vec![0, 1]), (0, vec![0])];
+        let (end, first, best, measured) = run(&costs, &pair, &shapes, 0.003);
+        assert_eq!(end, vec![0, 0]);
+        assert_eq!(first, best);
+        assert_eq!(measured, 2);
+    }
+
+    #[test]
+    fn errors_stop_the_search() {
+        let shapes = vec![(0, vec![0, 1])];
+        let mut set = |_: usize, _: usize| Err(Error::InvalidInput("no".into()));
+        let mut measure = || Ok(1.0);
+        assert!(coordinate_descent(&shapes, 0.0, &mut set, &mut measure).is_err());
+        let mut set = |_: usize, _: usize| Ok(());
+        let mut n = 0;
+        let mut measure = || {
+            n += 1;
+            if n > 1 {
+                Err(Error::InvalidInput("gpu".into()))
+            } else {
+                Ok(1.0)
+            }
+        };
+        assert!(coordinate_descent(&shapes, 0.0, &mut set, &mut measure).is_err());
+        assert!(median(vec![]).is_nan());
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+    }
+
+    proptest! {
+        /// On any cost model: the search ends no slower than it began (by its own
+        /// measurements, which are exact here), at a setting whose time is the best it reports,
+        /// and where no single shape's change would gain more than the margin (a coordinate-wise
+        /// optimum, up to the margin, for the shapes after the last one that changed).
+        #[test]
+        fn never_worse_and_ends_where_it_says(
+            costs in proptest::collection::vec(proptest::collection::vec(0.0f64..1.0, 4), 1..6),
+            seed in 0u64..1000,
+        ) {
+            let n = costs.len();
+            let mut rng = seed;
+            let mut next = || { rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407); (rng >> 33) as f64 / (1u64 << 31) as f64 };
+            let pair: Vec<Vec<Vec<f64>>> = (0..n).map(|_| (0..4).map(|_| (0..4).map(|_| next() * 0.2 - 0.1).collect()).collect()).collect();
+            let shapes: Vec<(usize, Vec<usize>)> = (0..n).map(|i| (i % 4, vec![0, 1, 2, 3])).collect();
+            let (end, first, best, _) = run(&costs, &pair, &shapes, 0.003);
+            prop_assert!(best <= first);
+            prop_assert!((step_time(&costs, &pair, &end) - best).abs() < 1e-12);
+            // The last shape was searched with every other shape at its final value.
+            let last = n - 1;
+            for c in 0..4 {
+                let mut v = end.clone();
+                v[last] = c;
+                prop_assert!(step_time(&costs, &pair, &v) >= best * (1.0 - 0.003) - 1e-12);
+            }
+        }
+    }
+}
