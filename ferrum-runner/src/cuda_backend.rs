@@ -255,9 +255,10 @@ impl CudaBackend {
 /// The sequence a step-level tuning decodes: a prompt of [`TUNE_PROMPT`] tokens (token 0), then
 /// [`TUNE_STEPS`] steps from there, in a cache of [`TUNE_CAPACITY`] rows: the shape of issue
 /// 6's benchmark (a 128-token prompt, 256 new tokens). The attention's split count follows
-/// the capacity and its length the position, and both change how the GEMVs around it overlap:
-/// tuned on steps 1-32 of a 512-row cache, SmolLM2-135M kept gate|up and LM head variants that
-/// ran 1.3% slower in the benchmark (session 37, docs/PERF.md).
+/// the capacity and its length the position, and both change how the GEMVs around it overlap.
+/// Not yet enough: neither this window nor steps 1-32 of a 512-row cache timed SmolLM2-135M's
+/// gate|up as 4-row warps clearly faster, yet over the benchmark's positions 128-384 it runs
+/// 0.9% faster (session 37, docs/PERF.md); a window over the whole capacity is the next form.
 const TUNE_PROMPT: usize = 128;
 const TUNE_CAPACITY: usize = 384;
 const _: () = assert!(TUNE_PROMPT + TUNE_STEPS <= TUNE_CAPACITY);
