@@ -16,7 +16,8 @@ use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::session::SessionOptions;
 use crate::step_tune::{
-    coordinate_descent, gemv_set, median, ShapeChoice, StepTune, StepTuneReport, TUNE_MARGIN, TUNE_REPS, TUNE_STEPS,
+    coordinate_descent, gemv_set, median, tune_windows, GemvKey, ShapeChoice, StepTune, StepTuneReport, TUNE_CAPACITY,
+    TUNE_MARGIN, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS,
 };
 use crate::weights::{Linear, ModelWeights};
 
@@ -214,6 +215,13 @@ pub struct CudaBackend {
     pos: usize,
     logits: Vec<f32>,
     label: String,
+    /// A step-level tuning `open` asked for, run at the first prefill (so that it times the
+    /// step the caller set up, the screened head on or off).
+    pending_tune: Option<StepTune>,
+    /// The positions a step-level tuning times ([`tune_windows`]).
+    tune_windows: Vec<(usize, usize)>,
+    /// Shapes a step-level tuning leaves alone (set by `FERRUM_GEMV_SET`).
+    pinned: Vec<GemvKey>,
 }
 
 const SEQ: u64 = 0;
@@ -236,11 +244,20 @@ impl CudaBackend {
             Ok(i) => format!("cuda:{} {} ({})", i.ordinal, runner.dtype().name(), i.name),
             Err(_) => format!("cuda {}", runner.dtype().name()),
         };
-        Self { rank: CudaRank::new(runner, 0), active: false, pos: 0, logits: Vec::new(), label }
+        Self::with_rank(CudaRank::new(runner, 0), label)
     }
     /// Wraps a rank of a multi-process group (its runner already has its NCCL reducer).
     pub fn with_rank(rank: CudaRank, label: String) -> Self {
-        Self { rank, active: false, pos: 0, logits: Vec::new(), label }
+        Self {
+            rank,
+            active: false,
+            pos: 0,
+            logits: Vec::new(),
+            label,
+            pending_tune: None,
+            tune_windows: TUNE_WINDOWS.to_vec(),
+            pinned: Vec::new(),
+        }
     }
     /// The runner.
     pub fn runner(&mut self) -> &mut CudaDecodeRunner {
@@ -252,42 +269,39 @@ impl CudaBackend {
     }
 }
 
-/// The sequence a step-level tuning decodes: a prompt of [`TUNE_PROMPT`] tokens (token 0), then
-/// [`TUNE_STEPS`] steps from there, in a cache of [`TUNE_CAPACITY`] rows: the shape of issue
-/// 6's benchmark (a 128-token prompt, 256 new tokens). The attention's split count follows
-/// the capacity and its length the position, and both change how the GEMVs around it overlap.
-/// Not yet enough: neither this window nor steps 1-32 of a 512-row cache timed SmolLM2-135M's
-/// gate|up as 4-row warps clearly faster, yet over the benchmark's positions 128-384 it runs
-/// 0.9% faster (session 37, docs/PERF.md); a window over the whole capacity is the next form.
-const TUNE_PROMPT: usize = 128;
-const TUNE_CAPACITY: usize = 384;
-const _: () = assert!(TUNE_PROMPT + TUNE_STEPS <= TUNE_CAPACITY);
-
 impl CudaBackend {
-    /// Tunes the GEMV launch variants on the whole captured step ([`crate::step_tune`]): after
-    /// a prompt of [`TUNE_PROMPT`] tokens, the device decodes greedily, [`TUNE_STEPS`] steps a
-    /// measurement from the prompt's end, each shape's candidates in turn. The variants give
-    /// bit-identical results, so only speed changes. Runs only with graphs (eager steps time
-    /// the host) and when `mode` wants the step's length; `None` when it did not run. Any
-    /// sequence is released first; afterwards there is none (the next
-    /// [`prefill`](DecodeBackend::prefill) starts one).
+    /// Tunes the GEMV launch variants on the whole captured step ([`crate::step_tune`]), now:
+    /// a sequence of [`TUNE_CAPACITY`] rows gets a prompt of [`TUNE_PROMPT`] tokens and one
+    /// untimed greedy pass up to the last timed position (so every KV row a window reads was
+    /// written); a measurement then times device-fed greedy steps over each of the tuning's
+    /// windows ([`tune_windows`]), shape by shape and candidate by candidate
+    /// ([`coordinate_descent`]). The variants give bit-identical results, so only speed
+    /// changes. Runs only with graphs (eager steps time the host) and when `mode` wants the
+    /// step's length; `None` when it did not run. Shapes `FERRUM_GEMV_SET` set are left alone.
+    /// Any sequence is released first; afterwards there is none (the next
+    /// [`prefill`](DecodeBackend::prefill) starts one). On an error the variants may be any of
+    /// the candidates (all valid).
     pub fn tune_step(&mut self, mode: StepTune) -> Result<Option<StepTuneReport>> {
-        let shapes = self.rank.runner().gemv_shapes();
+        let pinned = &self.pinned;
+        let shapes: Vec<GemvShape> = (self.rank.runner().gemv_shapes().into_iter())
+            .filter(|s| !pinned.contains(&(s.rows, s.cols, s.gateup)))
+            .collect();
         if mode == StepTune::Off || !self.rank.graphed() || shapes.iter().all(|s| s.candidates.len() < 2) {
             return Ok(None);
         }
         let t0 = Instant::now();
         self.new_sequence(TUNE_CAPACITY)?;
-        let prompt = self.rank.runner().prefill(SEQ, &[0; TUNE_PROMPT]).map(|_| ()).map_err(cuda_error);
-        let out = prompt.and_then(|()| self.tune_shapes(mode, &shapes));
+        let out = self.tune_shapes(mode, &shapes);
         // The tuning's sequence goes whatever happened; an error of the tuning comes first.
         let released = self.rank.runner().release(SEQ).map_err(cuda_error);
-        self.active = false;
+        if released.is_ok() {
+            self.active = false;
+        }
         let out = out?;
         released?;
         Ok(out.map(|(first, best, choices)| StepTuneReport {
-            first_step_s: first / TUNE_STEPS as f64,
-            best_step_s: best / TUNE_STEPS as f64,
+            first_step_s: first,
+            best_step_s: best,
             shapes: choices
                 .into_iter()
                 .map(|c| ((shapes[c.shape].rows, shapes[c.shape].cols, shapes[c.shape].gateup), c))
@@ -296,10 +310,18 @@ impl CudaBackend {
         }))
     }
 
-    /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence.
+    /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence: `(first step,
+    /// best step, decisions)`, seconds a step.
     fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<Option<(f64, f64, Vec<ShapeChoice>)>> {
-        let start = measure_step(&mut self.rank)?;
-        if !mode.wants(start / TUNE_STEPS as f64) {
+        let windows = self.tune_windows.clone();
+        // tune_windows keeps every window inside TUNE_PROMPT..=TUNE_CAPACITY.
+        let end = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(TUNE_PROMPT).max(TUNE_PROMPT + 1);
+        self.rank.runner().prefill(SEQ, &[0; TUNE_PROMPT]).map_err(cuda_error)?;
+        self.rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
+        self.rank.device_steps(SEQ, TUNE_PROMPT + 1, end - TUNE_PROMPT, DeviceSampling::Greedy)?;
+        self.rank.device_end(SEQ, end)?;
+        let first = measure_step(&mut self.rank, &windows, end)?;
+        if !mode.wants(first) {
             return Ok(None);
         }
         let list: Vec<(usize, Vec<usize>)> = shapes.iter().map(|s| (s.variant, s.candidates.clone())).collect();
@@ -309,27 +331,75 @@ impl CudaBackend {
             let s = &shapes[i];
             rank.borrow_mut().runner().set_gemv_variant(s.rows, s.cols, s.gateup, v).map_err(cuda_error)
         };
-        let mut measure = || measure_step(&mut rank.borrow_mut());
-        coordinate_descent(&list, TUNE_MARGIN, &mut set, &mut measure).map(Some)
+        let mut measure = || measure_step(&mut rank.borrow_mut(), &windows, end);
+        let (best, choices) = coordinate_descent(&list, TUNE_MARGIN, first, &mut set, &mut measure)?;
+        Ok(Some((first, best, choices)))
+    }
+
+    /// Has the next [`prefill`](DecodeBackend::prefill) (or `profile_prefill`) run a step-level
+    /// tuning first ([`tune_step`](Self::tune_step) with `mode`; what `open` does with
+    /// `FERRUM_STEP_TUNE`), so that it times the step as the caller then has it set up (the
+    /// screened head on or off). Under [`StepTune::Auto`] a failed tuning is a warning and the
+    /// variants it had changed are set back; under [`StepTune::On`] that prefill returns the
+    /// tuning's error (and the next one runs without a tuning).
+    pub fn tune_at_first_prefill(&mut self, mode: StepTune) {
+        self.pending_tune = Some(mode);
+    }
+
+    /// Runs the tuning `open` deferred (once; before the first prefill). Under
+    /// [`StepTune::Auto`] an error of the tuning is a warning and the start-up variants are set
+    /// back (an error doing that is returned); under [`StepTune::On`] it is returned.
+    fn run_pending_tune(&mut self) -> Result<()> {
+        let Some(mode) = self.pending_tune.take() else { return Ok(()) };
+        let start = self.rank.runner().gemv_shapes();
+        match self.tune_step(mode) {
+            Ok(Some(r)) => {
+                for ((rows, cols, gateup), c) in &r.shapes {
+                    tracing::info!(rows, cols, gateup, from = c.from, to = c.to, timed = ?c.timed, "step tuning: GEMV variant");
+                }
+                tracing::info!(
+                    step_us_before = r.first_step_s * 1e6,
+                    step_us_after = r.best_step_s * 1e6,
+                    tuning_ms = r.wall_s * 1e3,
+                    "step tuning done"
+                );
+            }
+            Ok(None) => {}
+            Err(e) if mode.strict() => return Err(e),
+            Err(e) => {
+                tracing::warn!(%e, "step tuning failed: keeping the start-up GEMV variants");
+                let now = self.rank.runner().gemv_shapes();
+                for s in start.iter().filter(|s| !now.contains(s)) {
+                    self.rank.runner().set_gemv_variant(s.rows, s.cols, s.gateup, s.variant).map_err(cuda_error)?;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
-/// Seconds for [`TUNE_STEPS`] device-fed greedy steps of the tuning sequence from the end of
-/// its prompt:
-/// the median of [`TUNE_REPS`] timed runs, after one untimed run (which captures the graph
-/// when the settings changed). Each run waits for its tokens, so it times the GPU's steps plus
-/// one read-back, the same for every setting.
-fn measure_step(rank: &mut CudaRank) -> Result<f64> {
+/// Seconds a step of device-fed greedy decoding over `windows` (`(first position, steps)`) of
+/// the tuning sequence, whose rows up to `end` hold a decoded sequence: the median of
+/// [`TUNE_REPS`] timed passes over every window, after one untimed pass (which captures the
+/// graphs when the settings changed). Each window waits for its tokens, so it times the GPU's
+/// steps plus one read-back, the same for every setting.
+fn measure_step(rank: &mut CudaRank, windows: &[(usize, usize)], end: usize) -> Result<f64> {
+    let steps: usize = windows.iter().map(|w| w.1).sum();
     let mut times = Vec::with_capacity(TUNE_REPS);
     for rep in 0..=TUNE_REPS {
-        rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
-        let t = Instant::now();
-        rank.device_steps(SEQ, TUNE_PROMPT + 1, TUNE_STEPS, DeviceSampling::Greedy)?;
+        let mut t = 0.0;
+        for &(first, n) in windows {
+            rank.device_begin(SEQ, 0, first)?;
+            let t0 = Instant::now();
+            rank.device_steps(SEQ, first + 1, n, DeviceSampling::Greedy)?;
+            t += t0.elapsed().as_secs_f64();
+            // The rows past the window still hold the first pass's entries.
+            rank.device_end(SEQ, end)?;
+        }
         if rep > 0 {
-            times.push(t.elapsed().as_secs_f64());
+            times.push(t / steps.max(1) as f64);
         }
     }
-    rank.device_end(SEQ, TUNE_PROMPT + TUNE_STEPS)?;
     Ok(median(times))
 }
 
@@ -339,6 +409,7 @@ impl DecodeBackend for CudaBackend {
     }
 
     fn prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Vec<f32>> {
+        self.run_pending_tune()?;
         self.new_sequence(capacity)?;
         self.rank.runner().prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
@@ -348,6 +419,7 @@ impl DecodeBackend for CudaBackend {
     }
 
     fn profile_prefill(&mut self, tokens: &[u32], capacity: usize) -> Result<Option<Vec<(&'static str, f64)>>> {
+        self.run_pending_tune()?;
         self.new_sequence(capacity)?;
         let p = self.rank.runner().profile_prefill(SEQ, tokens).map_err(cuda_error)?;
         self.pos = tokens.len();
@@ -446,9 +518,11 @@ pub(crate) fn device_run(
 pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bool) -> Result<Box<dyn DecodeBackend>> {
     let dtype = gpu_dtype(opts.dtype)?;
     if let Some(dist) = &opts.dist {
+        warn_one_gpu_knobs();
         return crate::cuda_tp::open_process_rank(&m.weights, ordinal, opts.tp, dist, dtype, progress);
     }
     if opts.tp > 1 {
+        warn_one_gpu_knobs();
         return crate::cuda_tp::open_group(&m.weights, ordinal, opts.tp, dtype, progress);
     }
     let mut last = 0u64;
@@ -461,25 +535,32 @@ pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bo
     tuned(CudaBackend::new(build_runner(&m.weights, dtype, ordinal, &mut cb)?))
 }
 
-/// A one-GPU backend after the step-level tuning `FERRUM_STEP_TUNE` asks for
-/// ([`CudaBackend::tune_step`]; its decisions are logged, `RUST_LOG=ferrum_runner=info`) and the
-/// variants `FERRUM_GEMV_SET` names ([`gemv_set`](crate::step_tune::gemv_set)).
+/// A one-GPU backend with the variants `FERRUM_GEMV_SET` names
+/// ([`gemv_set`](crate::step_tune::gemv_set)) set, and the step-level tuning `FERRUM_STEP_TUNE`
+/// asks for ([`CudaBackend::tune_step`], over `FERRUM_STEP_TUNE_WINDOW`'s positions) due at the
+/// first prefill; its decisions are logged (`RUST_LOG=ferrum_runner=info`). Every knob is read
+/// and checked here, before anything is timed.
 fn tuned(mut b: CudaBackend) -> Result<Box<dyn DecodeBackend>> {
-    if let Some(r) = b.tune_step(StepTune::from_env()?)? {
-        for ((rows, cols, gateup), c) in &r.shapes {
-            tracing::info!(rows, cols, gateup, from = c.from, to = c.to, timed = ?c.timed, "step tuning: GEMV variant");
-        }
-        tracing::info!(
-            step_us_before = r.first_step_s * 1e6,
-            step_us_after = r.best_step_s * 1e6,
-            tuning_ms = r.wall_s * 1e3,
-            "step tuning done"
-        );
-    }
-    for ((rows, cols, gateup), v) in gemv_set(std::env::var("FERRUM_GEMV_SET").ok().as_deref())? {
+    let env = |k: &str| std::env::var(k).ok();
+    let mode = StepTune::from_env()?;
+    let windows = tune_windows(env("FERRUM_STEP_TUNE_WINDOW").as_deref())?;
+    for ((rows, cols, gateup), v) in gemv_set(env("FERRUM_GEMV_SET").as_deref())? {
         b.runner().set_gemv_variant(rows, cols, gateup, v).map_err(cuda_error)?;
+        b.pinned.push((rows, cols, gateup));
     }
+    b.tune_windows = windows;
+    b.tune_at_first_prefill(mode);
     Ok(Box::new(b))
+}
+
+/// Says so when a knob of the one-GPU backend's GEMV variants is set for a tensor-parallel
+/// group, which does not read it.
+fn warn_one_gpu_knobs() {
+    for k in ["FERRUM_GEMV_SET", "FERRUM_STEP_TUNE", "FERRUM_STEP_TUNE_WINDOW"] {
+        if std::env::var_os(k).is_some() {
+            tracing::warn!("{k} is read by one-GPU backends only: ignored with tensor parallelism");
+        }
+    }
 }
 
 /// Opens a random-weight model of shape `cfg` (weights generated on the GPU, TP shards as slices
@@ -496,6 +577,7 @@ pub fn open_synthetic(
         return Err(Error::InvalidInput("synthetic models run in one process (drop --rank/--world-size)".into()));
     }
     if opts.tp > 1 {
+        warn_one_gpu_knobs();
         let backend = crate::cuda_tp::open_group_synthetic(cfg, ordinal, opts.tp, dtype)?;
         return Ok((backend, crate::cuda_tp::shard_bytes_per_token(cfg, opts.tp)?));
     }

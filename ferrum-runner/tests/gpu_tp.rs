@@ -894,8 +894,19 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
             assert!(s.candidates.contains(&c.to) && c.timed.len() == s.candidates.len(), "{s:?} {c:?}");
         }
         // The tuning's sequence was released: a step now is refused like any step before a prefill.
+        assert!(matches!(b.runner().sequence_len(0), Err(ferrum_cuda::Error::UnknownSequence(0))));
         assert!(b.step(0).is_err());
         assert_eq!(device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy), before, "{arch:?}");
+        // Each shape launched with another candidate: the step graph is captured again (a stale
+        // graph would replay the old launches and hide a changed result), the tokens the same.
+        for s in after.iter().filter(|s| s.candidates.len() > 1) {
+            let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
+            b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
+            let captures = b.rank().stats().captures;
+            assert_eq!(device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy), before, "{arch:?} {s:?} -> {other}");
+            assert!(b.rank().stats().captures > captures, "{arch:?} {s:?} -> {other}: no new capture");
+            b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, s.variant).unwrap();
+        }
         let logits_after: Vec<Vec<u32>> = host_logits(&mut b, &p, 8, 80).iter().map(|l| bits(l)).collect();
         assert!(logits_after == logits_before, "{arch:?}: logits changed with the tuning");
         // Refusals: a shape the runner does not launch, and a variant outside a shape's
@@ -909,6 +920,44 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
         assert_eq!(b.runner().gemv_shapes(), after);
     }
     assert!(tuned > 0, "no architecture had a shape with two candidates: the test checked nothing");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
+    use ferrum_runner::step_tune::{StepTune, TUNE_CAPACITY, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS};
+    init();
+    let mut cfg = config(Arch::Llama, false, 2);
+    cfg.vocab_size = 1001;
+    let w = weights(&cfg, 62);
+    let p = prompt(24, cfg.vocab_size, 5);
+    let mut b = tp1(&w);
+    let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+    let start = b.runner().gemv_shapes();
+    assert!(start.iter().any(|s| s.candidates.len() > 1), "{start:?}");
+    // The tuning's device steps: its untimed pass over the windows' positions, then one
+    // measurement (an untimed and TUNE_REPS timed passes over the windows). A launch failure a
+    // few steps later falls in the search, after its first change of a variant.
+    let fill = (TUNE_WINDOWS.iter().map(|w| w.0 + w.1).max().unwrap() - TUNE_PROMPT) as u64;
+    let measurement = (TUNE_WINDOWS.iter().map(|w| w.1).sum::<usize>() * (TUNE_REPS + 1)) as u64;
+    assert!(TUNE_WINDOWS.iter().all(|w| w.0 + w.1 <= TUNE_CAPACITY));
+    for mode in [StepTune::Auto, StepTune::On] {
+        let after_steps = b.rank().stats().steps + fill + measurement + 3;
+        b.rank().set_fault(Some(Fault { rank: 0, after_steps, kind: FaultKind::CudaLaunch }), None);
+        b.tune_at_first_prefill(mode);
+        if mode == StepTune::On {
+            let e = b.prefill(&p, 80).unwrap_err();
+            assert!(e.to_string().contains("launch") || e.to_string().contains("CUDA"), "{e}");
+            assert!(matches!(b.runner().sequence_len(0), Err(ferrum_cuda::Error::UnknownSequence(0))));
+        }
+        // Auto: the prefill goes on after the warning, the start-up variants set back; On: the
+        // next prefill runs without a tuning. Either way the tokens are the same.
+        assert_eq!(device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy), before, "{mode:?}");
+        assert!(b.rank().stats().steps > after_steps, "{mode:?}: the fault never fired");
+        if mode == StepTune::Auto {
+            assert_eq!(b.runner().gemv_shapes(), start);
+        }
+    }
 }
 
 #[test]

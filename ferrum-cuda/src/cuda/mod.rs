@@ -1636,7 +1636,10 @@ impl CudaDecodeRunner {
     /// only, `plan::gemv_balanced`). For a
     /// tuning of the whole step ([`set_gemv_variant`](Self::set_gemv_variant)): the start-up
     /// tuning times each shape alone, and variants that time alike there may not run alike
-    /// between the step's other kernels.
+    /// between the step's other kernels. Every shape tuned at start-up is listed, whether the
+    /// step launches it now or not: the folded q/k/v's after [`set_folded_qkv`](Self::set_folded_qkv)
+    /// turned it off again, and the LM head's under the screened head (whose exact rows take
+    /// the head variant's summation order, not its launch).
     pub fn gemv_shapes(&self) -> Vec<GemvShape> {
         let mut v: Vec<_> = self
             .k
@@ -1677,6 +1680,9 @@ impl CudaDecodeRunner {
 
     /// For tests: launches every tuned GEMV shape with variant `i` (of 4), keeping each shape's
     /// split-K factor. All such variants give bit-identical results; this lets a test check that.
+    /// Under `FERRUM_GEMV_VARIANT` it may leave a shape at a variant outside its
+    /// [`candidates`](GemvShape::candidates) (then the forced one only), which
+    /// [`set_gemv_variant`](Self::set_gemv_variant) would refuse.
     #[doc(hidden)]
     pub fn force_gemv_variant(&mut self, i: usize) {
         let v = GEMV_VARIANTS[i % GEMV_VARIANTS.len()];
