@@ -16,8 +16,8 @@ use crate::error::{Error, Result};
 use crate::load::LoadedModel;
 use crate::session::SessionOptions;
 use crate::step_tune::{
-    coordinate_descent, gemv_set, median, tune_windows, GemvKey, ShapeChoice, StepTune, StepTuneReport, TUNE_CAPACITY,
-    TUNE_MARGIN, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS,
+    coordinate_descent, gemv_set, median, tune_windows, CacheEntry, GemvKey, ShapeChoice, StepTune, StepTuneReport,
+    TuneCache, TUNE_CAPACITY, TUNE_MARGIN, TUNE_PROBE_STEPS, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS,
 };
 use crate::weights::{Linear, ModelWeights};
 
@@ -222,6 +222,8 @@ pub struct CudaBackend {
     tune_windows: Vec<(usize, usize)>,
     /// Shapes a step-level tuning leaves alone (set by `FERRUM_GEMV_SET`).
     pinned: Vec<GemvKey>,
+    /// Where the pending tuning looks for an earlier one's result and keeps its own.
+    tune_cache: Option<TuneCache>,
 }
 
 const SEQ: u64 = 0;
@@ -257,6 +259,7 @@ impl CudaBackend {
             pending_tune: None,
             tune_windows: TUNE_WINDOWS.to_vec(),
             pinned: Vec::new(),
+            tune_cache: None,
         }
     }
     /// The runner.
@@ -315,15 +318,21 @@ impl CudaBackend {
     fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<Option<(f64, f64, Vec<ShapeChoice>)>> {
         let windows = self.tune_windows.clone();
         // tune_windows keeps every window inside TUNE_PROMPT..=TUNE_CAPACITY.
-        let end = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(TUNE_PROMPT).max(TUNE_PROMPT + 1);
+        let end = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(TUNE_PROMPT).max(TUNE_PROMPT + TUNE_PROBE_STEPS);
         self.rank.runner().prefill(SEQ, &[0; TUNE_PROMPT]).map_err(cuda_error)?;
+        // Whether the step is short enough, from a few steps (a long step's model is not
+        // tuned, and should not pay for the passes below): the second of two runs (the first
+        // captures the graphs).
+        let probe = (TUNE_PROMPT, TUNE_PROBE_STEPS);
+        measure_once(&mut self.rank, &[probe], TUNE_PROMPT + TUNE_PROBE_STEPS)?;
+        if !mode.wants(measure_once(&mut self.rank, &[probe], TUNE_PROMPT + TUNE_PROBE_STEPS)?) {
+            return Ok(None);
+        }
+        // One untimed pass over every position a window reads.
         self.rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
         self.rank.device_steps(SEQ, TUNE_PROMPT + 1, end - TUNE_PROMPT, DeviceSampling::Greedy)?;
         self.rank.device_end(SEQ, end)?;
         let first = measure_step(&mut self.rank, &windows, end)?;
-        if !mode.wants(first) {
-            return Ok(None);
-        }
         let list: Vec<(usize, Vec<usize>)> = shapes.iter().map(|s| (s.variant, s.candidates.clone())).collect();
         // Both closures need the rank (one at a time).
         let rank = std::cell::RefCell::new(&mut self.rank);
@@ -346,12 +355,41 @@ impl CudaBackend {
         self.pending_tune = Some(mode);
     }
 
+    /// Where [`tune_at_first_prefill`](Self::tune_at_first_prefill)'s tuning looks for an
+    /// earlier result (under [`StepTune::Auto`]) and keeps its own; `open` sets
+    /// `FERRUM_STEP_TUNE_CACHE`'s ([`TuneCache::from_env`]). None: always tune, keep nothing.
+    pub fn set_tune_cache(&mut self, cache: Option<TuneCache>) {
+        self.tune_cache = cache;
+    }
+
     /// Runs the tuning `open` deferred (once; before the first prefill). Under
     /// [`StepTune::Auto`] an error of the tuning is a warning and the start-up variants are set
     /// back (an error doing that is returned); under [`StepTune::On`] it is returned.
     fn run_pending_tune(&mut self) -> Result<()> {
         let Some(mode) = self.pending_tune.take() else { return Ok(()) };
+        if mode == StepTune::Off {
+            return Ok(());
+        }
         let start = self.rank.runner().gemv_shapes();
+        let cache = self.tune_cache.clone().map(|c| (self.tune_about(), c));
+        // Auto takes an earlier tuning's result when one ran on the same build, GPU, model and
+        // settings; On always tunes (and refreshes the entry).
+        if let (StepTune::Auto, Some((about, c))) = (mode, &cache) {
+            match c.get(about) {
+                Ok(Some(e)) => match self.apply_cached(&e) {
+                    Ok(()) => {
+                        tracing::info!(path = %c.path().display(), step_us = e.step_us, variants = ?e.variants, "step tuning: cached");
+                        return Ok(());
+                    }
+                    Err(err) => {
+                        tracing::warn!(%err, "step tuning: the cached variants do not apply; tuning again");
+                        self.restore_variants(&start)?;
+                    }
+                },
+                Ok(None) => {}
+                Err(err) => tracing::warn!(%err, "step tuning: cache not read"),
+            }
+        }
         match self.tune_step(mode) {
             Ok(Some(r)) => {
                 for ((rows, cols, gateup), c) in &r.shapes {
@@ -363,44 +401,121 @@ impl CudaBackend {
                     tuning_ms = r.wall_s * 1e3,
                     "step tuning done"
                 );
+                if let Some((about, c)) = cache {
+                    let entry = CacheEntry {
+                        about,
+                        variants: r.shapes.iter().map(|(k, ch)| (k.0, k.1, k.2, ch.to)).collect(),
+                        step_us: r.best_step_s * 1e6,
+                        stored: std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs()),
+                    };
+                    if let Err(err) = c.put(entry) {
+                        tracing::warn!(%err, "step tuning: result not cached");
+                    }
+                }
             }
             Ok(None) => {}
             Err(e) if mode.strict() => return Err(e),
             Err(e) => {
                 tracing::warn!(%e, "step tuning failed: keeping the start-up GEMV variants");
-                let now = self.rank.runner().gemv_shapes();
-                for s in start.iter().filter(|s| !now.contains(s)) {
-                    self.rank.runner().set_gemv_variant(s.rows, s.cols, s.gateup, s.variant).map_err(cuda_error)?;
-                }
+                self.restore_variants(&start)?;
             }
         }
         Ok(())
     }
+
+    /// Sets every shape of `start` (an earlier [`gemv_shapes`](CudaDecodeRunner::gemv_shapes))
+    /// back to its variant there.
+    fn restore_variants(&mut self, start: &[GemvShape]) -> Result<()> {
+        let now = self.rank.runner().gemv_shapes();
+        for s in start.iter().filter(|s| !now.contains(s)) {
+            self.rank.runner().set_gemv_variant(s.rows, s.cols, s.gateup, s.variant).map_err(cuda_error)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the variants of a cached tuning (each checked by `set_gemv_variant`).
+    fn apply_cached(&mut self, e: &CacheEntry) -> Result<()> {
+        for &(rows, cols, gateup, v) in &e.variants {
+            self.rank.runner().set_gemv_variant(rows, cols, gateup, v).map_err(cuda_error)?;
+        }
+        Ok(())
+    }
+
+    /// What a step tuning's result depends on, in words (its cache key is the hash): the
+    /// kernels' build (a hash of the embedded PTX), the GPU, the dtype, the model's shape, the
+    /// GEMV shapes and their candidates, the step's options (screened head, folded q/k/v,
+    /// steps a graph), the timed windows and every `FERRUM_*` setting but the cache's own.
+    fn tune_about(&mut self) -> String {
+        static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        let ptx = PTX.get_or_init(|| {
+            use sha2::{Digest, Sha256};
+            let mut h = Sha256::new();
+            for (name, text) in ferrum_cuda::ptx::MODULES.iter().chain(ferrum_cuda::ptx::MODULES_SM90) {
+                h.update(name.as_bytes());
+                h.update(text.as_bytes());
+            }
+            h.finalize().iter().take(12).map(|b| format!("{b:02x}")).collect()
+        });
+        let mut env: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| {
+                k.starts_with("FERRUM_")
+                    && !matches!(
+                        k.as_str(),
+                        "FERRUM_STEP_TUNE" | "FERRUM_STEP_TUNE_CACHE" | "FERRUM_CACHE" | "FERRUM_PYTHON"
+                    )
+            })
+            .collect();
+        env.sort();
+        let windows = self.tune_windows.clone();
+        let r = self.rank.runner();
+        let device = match r.device_info() {
+            Ok(i) => {
+                format!("{} cc {}.{} {} B", i.name, i.compute_capability.0, i.compute_capability.1, i.total_memory)
+            }
+            Err(e) => format!("unknown device ({e})"),
+        };
+        let shapes: Vec<_> = r.gemv_shapes().into_iter().map(|s| (s.rows, s.cols, s.gateup, s.candidates)).collect();
+        format!(
+            "ptx {ptx} | {device} | {} | {:?} | shapes {shapes:?} | screened head {} folded qkv {} steps a graph {} | \
+             windows {windows:?} | env {env:?}",
+            r.dtype().name(),
+            r.spec(),
+            r.screened_head(),
+            r.folded_qkv(),
+            r.steps_per_graph(),
+        )
+    }
 }
 
 /// Seconds a step of device-fed greedy decoding over `windows` (`(first position, steps)`) of
-/// the tuning sequence, whose rows up to `end` hold a decoded sequence: the median of
-/// [`TUNE_REPS`] timed passes over every window, after one untimed pass (which captures the
-/// graphs when the settings changed). Each window waits for its tokens, so it times the GPU's
-/// steps plus one read-back, the same for every setting.
+/// the tuning sequence, whose rows up to `end` hold a decoded sequence (or will not be read):
+/// the median of [`TUNE_REPS`] timed passes over every window, after one untimed pass (which
+/// captures the graphs when the settings changed).
 fn measure_step(rank: &mut CudaRank, windows: &[(usize, usize)], end: usize) -> Result<f64> {
-    let steps: usize = windows.iter().map(|w| w.1).sum();
+    measure_once(rank, windows, end)?;
     let mut times = Vec::with_capacity(TUNE_REPS);
-    for rep in 0..=TUNE_REPS {
-        let mut t = 0.0;
-        for &(first, n) in windows {
-            rank.device_begin(SEQ, 0, first)?;
-            let t0 = Instant::now();
-            rank.device_steps(SEQ, first + 1, n, DeviceSampling::Greedy)?;
-            t += t0.elapsed().as_secs_f64();
-            // The rows past the window still hold the first pass's entries.
-            rank.device_end(SEQ, end)?;
-        }
-        if rep > 0 {
-            times.push(t / steps.max(1) as f64);
-        }
+    for _ in 0..TUNE_REPS {
+        times.push(measure_once(rank, windows, end)?);
     }
     Ok(median(times))
+}
+
+/// One timed pass of [`measure_step`]: seconds a step. Each window waits for its tokens, so it
+/// times the GPU's steps plus one read-back, the same for every setting.
+fn measure_once(rank: &mut CudaRank, windows: &[(usize, usize)], end: usize) -> Result<f64> {
+    let steps: usize = windows.iter().map(|w| w.1).sum();
+    let mut t = 0.0;
+    for &(first, n) in windows {
+        rank.device_begin(SEQ, 0, first)?;
+        let t0 = Instant::now();
+        rank.device_steps(SEQ, first + 1, n, DeviceSampling::Greedy)?;
+        t += t0.elapsed().as_secs_f64();
+        // The rows past the window keep what the sequence held there.
+        rank.device_end(SEQ, end)?;
+    }
+    Ok(t / steps.max(1) as f64)
 }
 
 impl DecodeBackend for CudaBackend {
@@ -549,6 +664,7 @@ fn tuned(mut b: CudaBackend) -> Result<Box<dyn DecodeBackend>> {
         b.pinned.push((rows, cols, gateup));
     }
     b.tune_windows = windows;
+    b.set_tune_cache(if mode == StepTune::Off { None } else { TuneCache::from_env() });
     b.tune_at_first_prefill(mode);
     Ok(Box::new(b))
 }

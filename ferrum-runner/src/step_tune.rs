@@ -15,10 +15,15 @@
 //! timed with the others fixed, a change kept only when it beats the best so far by more than
 //! a margin); the CUDA backend supplies the timing (`CudaBackend::tune_step`, greedy steps over
 //! the [`TUNE_WINDOWS`] of a [`TUNE_CAPACITY`]-row sequence) and runs it at its first prefill.
-//! Whether it runs is `FERRUM_STEP_TUNE` ([`StepTune::from_env`]); `FERRUM_STEP_TUNE_WINDOW`
+//! Whether it runs is `FERRUM_STEP_TUNE` ([`StepTune::from_env`]); its results are kept between
+//! processes ([`TuneCache`], `FERRUM_STEP_TUNE_CACHE`); `FERRUM_STEP_TUNE_WINDOW`
 //! ([`tune_windows`]) and `FERRUM_GEMV_SET` ([`gemv_set`]) are measurement knobs.
 
 use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 /// `FERRUM_STEP_TUNE`: whether a one-GPU CUDA backend tunes its GEMV variants on the whole
 /// step when it opens.
@@ -27,10 +32,12 @@ pub enum StepTune {
     /// `0`: keep the start-up tuning's choices.
     Off,
     /// `auto` (unset): tune when one step is short ([`AUTO_MAX_STEP_S`]): there kernel
-    /// boundaries are a large share of the step. A tuning error is then a warning and the
+    /// boundaries are a large share of the step; an earlier tuning's cached result is taken
+    /// instead when there is one ([`TuneCache`]). A tuning error is then a warning and the
     /// start-up choices stay.
     Auto,
-    /// `1`: tune whatever the step's length; a tuning error is the open's error.
+    /// `1`: tune whatever the step's length and whatever is cached; a tuning error is the
+    /// error of the prefill that runs it.
     On,
 }
 
@@ -47,6 +54,11 @@ pub const AUTO_MAX_STEP_S: f64 = 0.5e-3;
 /// capacity and its length the position, and both change how the GEMVs around it overlap.
 pub const TUNE_PROMPT: usize = 128;
 pub const TUNE_CAPACITY: usize = 384;
+
+/// Steps of the tuning's first measurement, from [`TUNE_PROMPT`], which decides whether the
+/// step is short enough to tune ([`StepTune::wants`]): a long step's model is not tuned and
+/// should not pay for the passes over the windows (at Llama-3-8B's ~3.7 ms, 2 × 8 steps).
+pub const TUNE_PROBE_STEPS: usize = 8;
 
 /// The default timed windows `(first position, steps)`: four spread over the benchmark's
 /// positions 128-384, so that a measurement sees short and long attention alike. Session 37's
@@ -164,6 +176,116 @@ pub fn tune_windows(value: Option<&str>) -> Result<Vec<(usize, usize)>> {
     Ok(out)
 }
 
+/// The file, in the cache folder (`FERRUM_CACHE`, else `~/.cache/ferrum`), where step tunings
+/// are kept between processes ([`TuneCache`]).
+pub const CACHE_FILE: &str = "step-tune-v1.json";
+
+/// Entries a [`TuneCache`] keeps; beyond it the oldest go.
+pub const CACHE_MAX_ENTRIES: usize = 64;
+
+/// A step tuning's result as the cache keeps it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheEntry {
+    /// What the tuning ran on, in words (the key is its hash): the kernels' build, the GPU,
+    /// the model's shapes, the step's options and the `FERRUM_*` settings.
+    pub about: String,
+    /// The searched shapes' variants, `(rows, cols, gate|up, variant)`.
+    pub variants: Vec<(usize, usize, bool, usize)>,
+    /// The tuned step, µs (as the tuning measured it).
+    pub step_us: f64,
+    /// When it was stored (seconds since the Unix epoch): the oldest entries go first.
+    pub stored: u64,
+}
+
+#[derive(Default, Serialize, Deserialize)]
+struct CacheFileV1 {
+    entries: BTreeMap<String, CacheEntry>,
+}
+
+/// Step tunings kept between processes (`FERRUM_STEP_TUNE_CACHE`; [`TuneCache::from_env`]),
+/// so that only a model's first run on a GPU and a build pays for the tuning (~1.8 s at
+/// SmolLM2-135M). A choice is speed only (the variants are bit-identical), so a stale or
+/// missing entry costs time, never a result: a cache that cannot be read or written is a
+/// warning, not an error. Writes go to a temporary file renamed over the old one, so a reader
+/// never sees half a file and concurrent writers lose at most each other's entry.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TuneCache {
+    path: PathBuf,
+}
+
+impl TuneCache {
+    /// A cache in the file `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        Self { path: path.into() }
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `FERRUM_STEP_TUNE_CACHE`'s value (`None`: unset) as a cache: unset, [`CACHE_FILE`] in
+    /// `cache_dir` (none if there is no cache folder); `0`, none; otherwise the file it names.
+    pub fn parse(value: Option<&str>, cache_dir: Option<PathBuf>) -> Option<Self> {
+        match value.map(str::trim) {
+            Some("0") => None,
+            Some(p) if !p.is_empty() => Some(Self::new(p)),
+            _ => cache_dir.map(|d| Self::new(d.join(CACHE_FILE))),
+        }
+    }
+
+    /// The cache `FERRUM_STEP_TUNE_CACHE` and `FERRUM_CACHE` name ([`parse`](Self::parse)).
+    pub fn from_env() -> Option<Self> {
+        Self::parse(std::env::var("FERRUM_STEP_TUNE_CACHE").ok().as_deref(), crate::fetch::cache_dir().ok())
+    }
+
+    /// The key of the tuning `about` describes: its SHA-256, hex.
+    pub fn key(about: &str) -> String {
+        Sha256::digest(about.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    fn read(&self) -> Result<CacheFileV1> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt {
+                path: self.path.clone(),
+                detail: format!("not a step tuning cache: {e}"),
+            }),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(CacheFileV1::default()),
+            Err(e) => Err(Error::io(&self.path, e)),
+        }
+    }
+
+    /// The entry stored for `about`, if any. An unreadable file is `Err` (the caller warns);
+    /// an entry whose description differs (a hash collision) is none.
+    pub fn get(&self, about: &str) -> Result<Option<CacheEntry>> {
+        Ok(self.read()?.entries.remove(&Self::key(about)).filter(|e| e.about == about))
+    }
+
+    /// Stores `entry` (under its description's key), keeping the newest
+    /// [`CACHE_MAX_ENTRIES`]. A file that cannot be parsed is replaced.
+    pub fn put(&self, entry: CacheEntry) -> Result<()> {
+        let mut file = self.read().unwrap_or_default();
+        file.entries.insert(Self::key(&entry.about), entry);
+        while file.entries.len() > CACHE_MAX_ENTRIES {
+            let oldest = file.entries.iter().min_by_key(|(_, e)| e.stored).map(|(k, _)| k.clone());
+            oldest.and_then(|k| file.entries.remove(&k));
+        }
+        let json = serde_json::to_vec_pretty(&file)
+            .map_err(|e| Error::Corrupt { path: self.path.clone(), detail: format!("serialising: {e}") })?;
+        if let Some(dir) = self.path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        }
+        let mut tmp = self.path.clone().into_os_string();
+        tmp.push(format!(".tmp{}", std::process::id()));
+        let tmp = PathBuf::from(tmp);
+        std::fs::write(&tmp, json).and_then(|()| std::fs::rename(&tmp, &self.path)).map_err(|e| {
+            // Best effort: the temporary file may not even exist.
+            let _ = std::fs::remove_file(&tmp);
+            Error::io(&self.path, e)
+        })
+    }
+}
+
 /// What a step-level tuning did (`CudaBackend::tune_step`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct StepTuneReport {
@@ -270,6 +392,55 @@ mod tests {
             let e = gemv_set(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_GEMV_SET"), "{bad:?}: {e}");
         }
+    }
+
+    fn entry(about: &str, stored: u64) -> CacheEntry {
+        CacheEntry { about: about.into(), variants: vec![(1536, 576, true, 3)], step_us: 375.7, stored }
+    }
+
+    #[test]
+    fn the_cache_keeps_entries_by_description_and_survives_bad_files() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(TuneCache::parse(Some("0"), Some(dir.path().into())), None);
+        assert_eq!(TuneCache::parse(None, None), None);
+        assert_eq!(TuneCache::parse(Some(" "), Some(dir.path().into())).unwrap().path(), dir.path().join(CACHE_FILE));
+        assert_eq!(TuneCache::parse(Some("/x/t.json"), None).unwrap().path(), Path::new("/x/t.json"));
+        let c = TuneCache::new(dir.path().join("sub").join(CACHE_FILE));
+        // Missing file: nothing cached; a put creates the folder.
+        assert_eq!(c.get("a").unwrap(), None);
+        c.put(entry("a", 1)).unwrap();
+        c.put(entry("b", 2)).unwrap();
+        assert_eq!(c.get("a").unwrap(), Some(entry("a", 1)));
+        assert_eq!(c.get("c").unwrap(), None);
+        // The same description replaces its entry.
+        let mut a2 = entry("a", 3);
+        a2.variants = vec![(960, 576, false, 2)];
+        c.put(a2.clone()).unwrap();
+        assert_eq!(c.get("a").unwrap(), Some(a2));
+        assert_eq!(c.get("b").unwrap(), Some(entry("b", 2)));
+        // No temporary file is left beside it.
+        assert_eq!(std::fs::read_dir(c.path().parent().unwrap()).unwrap().count(), 1);
+        // A corrupt or truncated file: get is an error naming the file, put replaces it.
+        std::fs::write(c.path(), b"{\"entries\": {\"x").unwrap();
+        let e = c.get("a").unwrap_err().to_string();
+        assert!(e.contains(CACHE_FILE), "{e}");
+        c.put(entry("b", 4)).unwrap();
+        assert_eq!((c.get("a").unwrap(), c.get("b").unwrap()), (None, Some(entry("b", 4))));
+        // An entry stored under another description's key (a collision) is not returned.
+        let mut f: CacheFileV1 = serde_json::from_slice(&std::fs::read(c.path()).unwrap()).unwrap();
+        f.entries.insert(TuneCache::key("z"), entry("not z", 5));
+        std::fs::write(c.path(), serde_json::to_vec(&f).unwrap()).unwrap();
+        assert_eq!(c.get("z").unwrap(), None);
+        // Beyond the cap the oldest entries go.
+        for i in 0..CACHE_MAX_ENTRIES as u64 + 5 {
+            c.put(entry(&format!("n{i}"), 100 + i)).unwrap();
+        }
+        assert_eq!(c.read().unwrap().entries.len(), CACHE_MAX_ENTRIES);
+        assert_eq!(c.get("n0").unwrap(), None);
+        assert!(c.get(&format!("n{}", CACHE_MAX_ENTRIES + 4)).unwrap().is_some());
+        // A cache in a place that cannot be written is an error, not a panic.
+        let blocked = TuneCache::new(c.path().join("under-a-file.json"));
+        assert!(blocked.put(entry("a", 1)).is_err());
     }
 
     /// A cost model: the step's time is a base plus each shape's cost for its variant plus an

@@ -925,7 +925,7 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
-    use ferrum_runner::step_tune::{StepTune, TUNE_CAPACITY, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS};
+    use ferrum_runner::step_tune::{StepTune, TUNE_CAPACITY, TUNE_PROBE_STEPS, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS};
     init();
     let mut cfg = config(Arch::Llama, false, 2);
     cfg.vocab_size = 1001;
@@ -935,10 +935,11 @@ fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
     let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
     let start = b.runner().gemv_shapes();
     assert!(start.iter().any(|s| s.candidates.len() > 1), "{start:?}");
-    // The tuning's device steps: its untimed pass over the windows' positions, then one
-    // measurement (an untimed and TUNE_REPS timed passes over the windows). A launch failure a
-    // few steps later falls in the search, after its first change of a variant.
-    let fill = (TUNE_WINDOWS.iter().map(|w| w.0 + w.1).max().unwrap() - TUNE_PROMPT) as u64;
+    // The tuning's device steps: two probes of the step's length, its untimed pass over the
+    // windows' positions, then one measurement (an untimed and TUNE_REPS timed passes over the
+    // windows). A launch failure a few steps later falls in the search, after its first change
+    // of a variant.
+    let fill = (2 * TUNE_PROBE_STEPS + TUNE_WINDOWS.iter().map(|w| w.0 + w.1).max().unwrap() - TUNE_PROMPT) as u64;
     let measurement = (TUNE_WINDOWS.iter().map(|w| w.1).sum::<usize>() * (TUNE_REPS + 1)) as u64;
     assert!(TUNE_WINDOWS.iter().all(|w| w.0 + w.1 <= TUNE_CAPACITY));
     for mode in [StepTune::Auto, StepTune::On] {
@@ -958,6 +959,59 @@ fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
             assert_eq!(b.runner().gemv_shapes(), start);
         }
     }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_cached_step_tuning_is_reused_and_a_bad_entry_is_tuned_again() {
+    use ferrum_runner::step_tune::{CacheEntry, StepTune, TuneCache};
+    init();
+    let mut cfg = config(Arch::Qwen2, false, 2);
+    cfg.vocab_size = 1001;
+    let w = weights(&cfg, 63);
+    let p = prompt(24, cfg.vocab_size, 6);
+    let dir = tempfile::tempdir().unwrap();
+    let cache = TuneCache::new(dir.path().join("tune.json"));
+    let mut b = tp1(&w);
+    let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+    // Tuning steps beyond a decode's own 40: none when the cache answers.
+    let run = |b: &mut CudaBackend, mode| {
+        b.tune_at_first_prefill(mode);
+        let steps = b.rank().stats().steps;
+        assert_eq!(device_tokens(b, &p, 40, 80, DeviceSampling::Greedy), before, "{mode:?}");
+        b.rank().stats().steps - steps - 40
+    };
+    b.set_tune_cache(Some(cache.clone()));
+    assert!(run(&mut b, StepTune::Auto) > 0, "the first tuning ran");
+    let stored = std::fs::read_to_string(cache.path()).unwrap();
+    let file: serde_json::Value = serde_json::from_str(&stored).unwrap();
+    let entries = file["entries"].as_object().unwrap();
+    assert_eq!(entries.len(), 1, "{stored}");
+    let entry: CacheEntry = serde_json::from_value(entries.values().next().unwrap().clone()).unwrap();
+    let tuned = b.runner().gemv_shapes();
+    for &(rows, cols, gateup, v) in &entry.variants {
+        assert!(tuned.iter().any(|s| (s.rows, s.cols, s.gateup, s.variant) == (rows, cols, gateup, v)), "{entry:?}");
+    }
+    // Every shape moved elsewhere: Auto takes the cached variants back without tuning.
+    for s in tuned.iter().filter(|s| s.candidates.len() > 1) {
+        let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
+        b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
+    }
+    assert_eq!(run(&mut b, StepTune::Auto), 0, "a cached tuning ran again");
+    assert_eq!(b.runner().gemv_shapes(), tuned);
+    // On tunes whatever the cache holds.
+    assert!(run(&mut b, StepTune::On) > 0);
+    // An entry naming a variant the runner refuses (the file edited by hand): a warning, and a
+    // tuning instead; a corrupt file too.
+    let mut bad = file.clone();
+    for e in bad["entries"].as_object_mut().unwrap().values_mut() {
+        e["variants"][0][3] = serde_json::json!(9);
+    }
+    std::fs::write(cache.path(), serde_json::to_string(&bad).unwrap()).unwrap();
+    assert!(run(&mut b, StepTune::Auto) > 0);
+    std::fs::write(cache.path(), "{ not json").unwrap();
+    assert!(run(&mut b, StepTune::Auto) > 0);
+    assert!(TuneCache::new(cache.path()).get("x").is_ok(), "the tuning rewrote the corrupt file");
 }
 
 #[test]

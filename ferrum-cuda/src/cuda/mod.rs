@@ -1908,11 +1908,14 @@ fn tune_gemv(ctx: &Arc<CudaContext>, k: &mut Kernels, s: &CudaModelSpec, w: &Wei
     // The split-K factor follows from the shape (Kernels::gemv_ks; weight rows: 2·inter for
     // gate|up); the variants timed below all share it, so the choice changes speed only.
     // A FERRUM_GEMV_KS_SHAPES entry that names no shape of this model changes nothing: say so
-    // (gate|up's rows count both halves there, unlike the choices logged below).
+    // (gate|up's rows count both halves there, unlike the choices logged below). The folded
+    // q/k/v's shape (set_folded_qkv, tuned when it is built) is one of the model's.
+    let fold = (s.hidden + s.qkv_dim(), s.intermediate + s.hidden);
     for &(r, c, ks) in &k.gemv_ks_shapes {
-        if !shapes
-            .iter()
-            .any(|(rows, cols, gateup, _)| (crate::plan::gemv_weight_rows(*rows, *gateup), *cols) == (r, c))
+        if (r, c) != fold
+            && !shapes
+                .iter()
+                .any(|(rows, cols, gateup, _)| (crate::plan::gemv_weight_rows(*rows, *gateup), *cols) == (r, c))
         {
             tracing::warn!(rows = r, cols = c, ks, "FERRUM_GEMV_KS_SHAPES names no GEMV shape of this model");
         }
