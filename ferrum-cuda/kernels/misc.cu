@@ -316,49 +316,51 @@ FERRUM_HEAD_QUANTIZE(bf16, bf16)
 #define HEAD_XS_STRIDE 20
 __device__ __forceinline__ int xs_at(int e) { return (e >> 4) * HEAD_XS_STRIDE + (e & 15); }
 
-// One row's logit by the head GEMV's arithmetic (gemv.cu's gemv with KS = ks and LPR = lpr
-// lanes a row group, 16-byte path), from x' in shared memory, in every lane: lane gl = lane %
-// lpr of "warp" k takes chunks gl + lpr (k + ks u) in order, fma into its sum from 0; the group's
-// sum by xor shuffles from lpr / 2 down; with ks > 1 (lpr 32) the warp sums added in k order
-// from 0. The caller multiplies by rn as the GEMV does.
-template <typename T>
-__device__ __forceinline__ float head_exact(const T *row, const float *xs, int cols, int ks, int lpr, int lane) {
-    const uint4 *w4 = reinterpret_cast<const uint4 *>(row);
-    const int n8 = cols >> 3, gl = lane % lpr;
+// The head GEMV's summation order (gemv.cu's gemv with KS = ks and LPR = lpr lanes a row
+// group, 16-byte path), in every lane: lane gl = lane % lpr of "warp" k takes chunks
+// gl + lpr (k + ks u) in order, `a = chunk(c, a)` from 0; the group's sum by xor shuffles from
+// lpr / 2 down; with ks > 1 (lpr 32) the warp sums added in k order from 0. Both callers below
+// repeat the GEMV's rounding through it, so it must stay the GEMV's order step for step.
+template <typename F>
+__device__ __forceinline__ float gemv_order_sum(int n8, int ks, int lpr, int lane, F chunk) {
+    const int gl = lane % lpr;
     float tot = 0.0f;
     for (int k = 0; k < ks; ++k) {
         float a = 0.0f;
-        for (int c = gl + lpr * k; c < n8; c += lpr * ks) {
-            float wf[8];
-            unpack8(__ldg(w4 + c), wf, T());
-            const float *xc = xs + xs_at(8 * c);  // 8 consecutive elements of one 16-group
-#pragma unroll
-            for (int j = 0; j < 8; ++j) a = fmaf(wf[j], xc[j], a);
-        }
+        for (int c = gl + lpr * k; c < n8; c += lpr * ks) a = chunk(c, a);
         for (int o = lpr / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
         tot = ks > 1 ? tot + a : a;
     }
     return tot;
 }
 
-// The fused norm's scale rn = rsqrt(ss / cols + eps), ss = sum x^2 by the GEMV's order (as
-// head_exact, over x before the norm's weight), in every lane of the calling warp.
-__device__ __forceinline__ float head_rn(const float *x, int cols, int ks, int lpr, float eps, int lane) {
-    const int n8 = cols >> 3, gl = lane % lpr;
-    float tot = 0.0f;
-    for (int k = 0; k < ks; ++k) {
-        float a = 0.0f;
-        for (int c = gl + lpr * k; c < n8; c += lpr * ks) {
+// One row's logit by the head GEMV's arithmetic (gemv_order_sum), from x' in shared memory.
+// The caller multiplies by rn as the GEMV does.
+template <typename T>
+__device__ __forceinline__ float head_exact(const T *row, const float *xs, int cols, int ks, int lpr, int lane) {
+    const uint4 *w4 = reinterpret_cast<const uint4 *>(row);
+    return gemv_order_sum(cols >> 3, ks, lpr, lane, [&](int c, float a) {
+        float wf[8];
+        unpack8(__ldg(w4 + c), wf, T());
+        const float *xc = xs + xs_at(8 * c);  // 8 consecutive elements of one 16-group
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                const float v = x[8 * c + j];
-                a = fmaf(v, v, a);
-            }
+        for (int j = 0; j < 8; ++j) a = fmaf(wf[j], xc[j], a);
+        return a;
+    });
+}
+
+// The fused norm's scale rn = rsqrt(ss / cols + eps), ss = sum x^2 by the GEMV's order
+// (gemv_order_sum, over x before the norm's weight), in every lane of the calling warp.
+__device__ __forceinline__ float head_rn(const float *x, int cols, int ks, int lpr, float eps, int lane) {
+    const float ss = gemv_order_sum(cols >> 3, ks, lpr, lane, [&](int c, float a) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const float v = x[8 * c + j];
+            a = fmaf(v, v, a);
         }
-        for (int o = lpr / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-        tot = ks > 1 ? tot + a : a;
-    }
-    return rsqrtf(tot / (float)cols + eps);
+        return a;
+    });
+    return rsqrtf(ss / (float)cols + eps);
 }
 
 // acc[j] += the int8 chunk c of row j (16 weights) . x'[16c .. 16c + 16] (padded shared memory).

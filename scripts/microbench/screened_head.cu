@@ -295,6 +295,32 @@ __global__ void __launch_bounds__(WARPS * 32)
 // exact integers: T = 256 A + B = sum q X. The bound gains one term for the input's rounding,
 // 127 s_i ex with ex = sum |x - s_x X| (summed rounding up), and the screening value
 // s^ = fl(s_i s_x T) (computed in double, one more rounding: 2u |s^|).
+// The input quantizations' block reductions (both integer forms below): max |x| over the
+// block, and a per-thread sum added up over the block rounding up (so the bound's ||x||_1 and
+// rounding term stay upper bounds). `red` is WARPS floats of shared memory; both end with every
+// thread holding the block's value.
+__device__ __forceinline__ float block_absmax(const float *x, int K, float *red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    float mx = 0.0f;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    if (lane == 0) red[wid] = mx;
+    __syncthreads();
+    mx = 0.0f;
+    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, red[i]);
+    return mx;
+}
+__device__ __forceinline__ float block_sum_ru(float v, float *red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = __fadd_ru(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    v = 0.0f;
+    for (int i = 0; i < WARPS; ++i) v = __fadd_ru(v, red[i]);
+    return v;
+}
 __device__ __forceinline__ int dp4a_su(int a, unsigned b, int c) {
     int d;
     asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -315,14 +341,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     __shared__ float s_red[3][WARPS];
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     // max |x| over the block, then s_x.
-    float mx = 0.0f;
-    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) s_red[0][wid] = mx;
-    __syncthreads();
-    mx = 0.0f;
-    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, s_red[0][i]);
+    const float mx = block_absmax(x, K, s_red[0]);
     const float sx = mx > 0.0f ? mx / 32767.0f : 1.0f;
     // X, packed h and l, ||x||_1 and ex (both summed rounding up), 4 elements a thread a round.
     float l1 = 0.0f, ex = 0.0f;
@@ -341,12 +360,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         hs[c4] = (int)hw;
         ls[c4] = lw;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l1 = __fadd_ru(l1, __shfl_xor_sync(0xffffffffu, l1, o)), ex = __fadd_ru(ex, __shfl_xor_sync(0xffffffffu, ex, o));
-    if (lane == 0) s_red[1][wid] = l1, s_red[2][wid] = ex;
-    __syncthreads();
-    l1 = 0.0f, ex = 0.0f;
-    for (int i = 0; i < WARPS; ++i) l1 = __fadd_ru(l1, s_red[1][i]), ex = __fadd_ru(ex, s_red[2][i]);
+    l1 = block_sum_ru(l1, s_red[1]);
+    ex = block_sum_ru(ex, s_red[2]);
     const int r0 = (blockIdx.x * WARPS + wid) * SR;
     if (r0 >= V) return;
     int A[SR] = {}, B[SR] = {};
@@ -427,14 +442,7 @@ __global__ void __launch_bounds__(WARPS * 32, D <= 8 ? 4 : 2)
 #pragma unroll
     for (int d = 0; d < D; ++d)
         pre[d] = EARLY && T0 < tiles && d < nkb ? __ldg(q4 + ((size_t)T0 * nkb + d) * 32 + lane) : make_uint4(0, 0, 0, 0);
-    float mx = 0.0f;
-    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) s_red[0][wid] = mx;
-    __syncthreads();
-    mx = 0.0f;
-    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, s_red[0][i]);
+    const float mx = block_absmax(x, K, s_red[0]);
     float sx = mx / 16384.0f;
     if (!(sx > 0.0f) || !(sx <= 3.4e38f)) sx = 1.0f;
     const float inv = 1.0f / sx;  // X need not be x / s_x rounded exactly: ex measures what it is
@@ -457,12 +465,8 @@ __global__ void __launch_bounds__(WARPS * 32, D <= 8 ? 4 : 2)
         sbw[(kb * 8 + t) * 2 + half] = hw;
         sbw[(kb * 8 + 4 + t) * 2 + half] = lw;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l1 = __fadd_ru(l1, __shfl_xor_sync(0xffffffffu, l1, o)), ex = __fadd_ru(ex, __shfl_xor_sync(0xffffffffu, ex, o));
-    if (lane == 0) s_red[1][wid] = l1, s_red[2][wid] = ex;
-    __syncthreads();
-    l1 = 0.0f, ex = 0.0f;
-    for (int i = 0; i < WARPS; ++i) l1 = __fadd_ru(l1, s_red[1][i]), ex = __fadd_ru(ex, s_red[2][i]);
+    l1 = block_sum_ru(l1, s_red[1]);
+    ex = block_sum_ru(ex, s_red[2]);
     const float tiny = (K + 2) * 1.401298464e-45f;
     // The first tile's prefetched chunks, consumed here (peeled), so that they are dead in the loop.
     int acc[2][4] = {};
