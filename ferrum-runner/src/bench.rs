@@ -269,6 +269,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             eprintln!("no screened LM head ({e}); timing the whole head");
             false
         });
+    backend.prepare()?;
     if a.prompt_tokens + a.gen_tokens > cfg.max_position_embeddings {
         bail!("--prompt-tokens + --gen-tokens exceed the model's context of {}", cfg.max_position_embeddings);
     }

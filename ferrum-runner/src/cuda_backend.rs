@@ -274,20 +274,25 @@ impl CudaBackend {
 
 impl CudaBackend {
     /// Tunes the GEMV launch variants on the whole captured step ([`crate::step_tune`]), now:
-    /// a sequence of [`TUNE_CAPACITY`] rows gets a prompt of [`TUNE_PROMPT`] tokens and one
+    /// a sequence of [`TUNE_CAPACITY`] rows gets a prompt of [`TUNE_PROMPT`] tokens; a probe of
+    /// [`TUNE_PROBE_STEPS`] steps decides whether `mode` wants the step's length; then one
     /// untimed greedy pass up to the last timed position (so every KV row a window reads was
     /// written); a measurement then times device-fed greedy steps over each of the tuning's
     /// windows ([`tune_windows`]), shape by shape and candidate by candidate
     /// ([`coordinate_descent`]). The variants give bit-identical results, so only speed
     /// changes. Runs only with graphs (eager steps time the host) and when `mode` wants the
-    /// step's length; `None` when it did not run. Shapes `FERRUM_GEMV_SET` set are left alone.
+    /// step's length; `None` when it did not run. Shapes `FERRUM_GEMV_SET` set are left alone,
+    /// and so are shapes the step does not launch now (the LM head's under the screened head,
+    /// the folded q/k/v's when it is off). With more than [`TUNE_PROBE_STEPS`] steps a graph
+    /// (`FERRUM_GRAPH_STEPS`) the windows replay shorter graphs than a long decode does.
     /// Any sequence is released first; afterwards there is none (the next
     /// [`prefill`](DecodeBackend::prefill) starts one). On an error the variants may be any of
     /// the candidates (all valid).
     pub fn tune_step(&mut self, mode: StepTune) -> Result<Option<StepTuneReport>> {
+        let idle = idle_shapes(self.rank.runner());
         let pinned = &self.pinned;
         let shapes: Vec<GemvShape> = (self.rank.runner().gemv_shapes().into_iter())
-            .filter(|s| !pinned.contains(&(s.rows, s.cols, s.gateup)))
+            .filter(|s| !pinned.contains(&(s.rows, s.cols, s.gateup)) && !idle.contains(&(s.rows, s.cols, s.gateup)))
             .collect();
         if mode == StepTune::Off || !self.rank.graphed() || shapes.iter().all(|s| s.candidates.len() < 2) {
             return Ok(None);
@@ -296,10 +301,9 @@ impl CudaBackend {
         self.new_sequence(TUNE_CAPACITY)?;
         let out = self.tune_shapes(mode, &shapes);
         // The tuning's sequence goes whatever happened; an error of the tuning comes first.
+        // `release` fails only for a sequence that is already gone, so none is active either way.
         let released = self.rank.runner().release(SEQ).map_err(cuda_error);
-        if released.is_ok() {
-            self.active = false;
-        }
+        self.active = false;
         let out = out?;
         released?;
         Ok(out.map(|(first, best, choices)| StepTuneReport {
@@ -416,7 +420,11 @@ impl CudaBackend {
                 }
             }
             Ok(None) => {}
-            Err(e) if mode.strict() => return Err(e),
+            Err(e) if mode.strict() => {
+                // Valid variants either way; the start-up ones are the known state.
+                self.restore_variants(&start)?;
+                return Err(e);
+            }
             Err(e) => {
                 tracing::warn!(%e, "step tuning failed: keeping the start-up GEMV variants");
                 self.restore_variants(&start)?;
@@ -487,6 +495,30 @@ impl CudaBackend {
             r.steps_per_graph(),
         )
     }
+}
+
+/// The GEMV shapes `r`'s device-fed greedy step does not launch now, though its start-up
+/// tuning listed them: the LM head's under the screened head (whose exact rows take the
+/// head's summation order, which the variants share, not its launch), and the folded q/k/v's
+/// while the fold is off; unless a layer's projection has the same shape.
+fn idle_shapes(r: &CudaDecodeRunner) -> Vec<GemvKey> {
+    let s = r.spec();
+    let layers = [
+        (s.qkv_dim(), s.hidden, false),
+        (s.hidden, s.q_dim(), false),
+        (s.intermediate, s.hidden, true),
+        (s.hidden, s.intermediate, false),
+    ];
+    let head = (s.vocab, s.hidden, false);
+    let fold = (s.hidden + s.qkv_dim(), s.intermediate + s.hidden, false);
+    let mut idle = Vec::new();
+    if r.screened_head() && !layers.contains(&head) {
+        idle.push(head);
+    }
+    if !r.folded_qkv() && !layers.contains(&fold) && fold != head {
+        idle.push(fold);
+    }
+    idle
 }
 
 /// Seconds a step of device-fed greedy decoding over `windows` (`(first position, steps)`) of
@@ -583,6 +615,10 @@ impl DecodeBackend for CudaBackend {
         self.rank.runner().set_screened_head(on).map_err(cuda_error)
     }
 
+    fn prepare(&mut self) -> Result<()> {
+        self.run_pending_tune()
+    }
+
     fn decode_on_device(
         &mut self,
         token: u32,
@@ -672,7 +708,7 @@ fn tuned(mut b: CudaBackend) -> Result<Box<dyn DecodeBackend>> {
 /// Says so when a knob of the one-GPU backend's GEMV variants is set for a tensor-parallel
 /// group, which does not read it.
 fn warn_one_gpu_knobs() {
-    for k in ["FERRUM_GEMV_SET", "FERRUM_STEP_TUNE", "FERRUM_STEP_TUNE_WINDOW"] {
+    for k in ["FERRUM_GEMV_SET", "FERRUM_STEP_TUNE", "FERRUM_STEP_TUNE_WINDOW", "FERRUM_STEP_TUNE_CACHE"] {
         if std::env::var_os(k).is_some() {
             tracing::warn!("{k} is read by one-GPU backends only: ignored with tensor parallelism");
         }

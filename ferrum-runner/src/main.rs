@@ -138,6 +138,8 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             eprintln!("no screened LM head ({e}); computing the whole head");
         }
     }
+    // The backend's one-off set-up (the step tuning) before the prefill is timed.
+    s.backend.prepare()?;
     // In a multi-process run every rank generates the same tokens; rank 0 prints them.
     let quiet = a.model.rank.is_some_and(|r| r != 0);
     let mut stream = s.tokenizer.stream_decoder();

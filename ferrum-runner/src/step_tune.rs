@@ -26,7 +26,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// `FERRUM_STEP_TUNE`: whether a one-GPU CUDA backend tunes its GEMV variants on the whole
-/// step when it opens.
+/// step, once, before its first prefill (`DecodeBackend::prepare`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StepTune {
     /// `0`: keep the start-up tuning's choices.
@@ -43,8 +43,8 @@ pub enum StepTune {
 
 /// Under [`StepTune::Auto`], the longest step (seconds) that is tuned. Measured on one H200
 /// (session 37): SmolLM2-135M's step (~0.37 ms) is where the start-up tuning's per-GEMV timing
-/// misjudged a launch (the qkv flip, 381.6 -> 362.3 µs a step), and its tuning takes about a
-/// second; Llama-3.2-1B's (~0.73 ms) kept every start-up choice in each of its tunings and took
+/// misjudged a launch (the qkv flip, 381.6 -> 362.3 µs a step), and its tuning takes ~1.8 s
+/// (four windows, session 38) where the screened head's step gains 0.6-1%; Llama-3.2-1B's (~0.73 ms) kept every start-up choice in each of its tunings and took
 /// 1.6 s; Llama-3-8B's (~3.7 ms) is weight streaming, where the per-GEMV timing is what the
 /// step sees.
 pub const AUTO_MAX_STEP_S: f64 = 0.5e-3;
@@ -120,8 +120,8 @@ pub struct ShapeChoice {
 /// A GEMV shape as ferrum-cuda keys it: `(rows, cols, gate|up)`.
 pub type GemvKey = (usize, usize, bool);
 
-/// `FERRUM_GEMV_SET` (`None`: unset, nothing): launch variants for single GEMV shapes, set after
-/// any tuning, as `ROWSxCOLS=V` entries separated by commas, a `g` after COLS for the stacked
+/// `FERRUM_GEMV_SET` (`None`: unset, nothing): launch variants for single GEMV shapes, set when
+/// the backend opens and left alone by the tuning, as `ROWSxCOLS=V` entries separated by commas, a `g` after COLS for the stacked
 /// gate|up (`960x576=0,1536x576g=3`; rows count outputs, as the `step tuning` log lines do),
 /// `V` a variant index. A measurement knob: each shape must be one the runner launches and `V`
 /// one of its candidates (ferrum-cuda's `set_gemv_variant` checks; results stay bit-identical).

@@ -230,6 +230,12 @@ impl<B: DecodeBackend> DecodeBackend for Watched<B> {
         b.set_screened_head(on)
     }
 
+    fn prepare(&mut self) -> Result<()> {
+        let (b, s) = self.parts()?;
+        let _busy = busy(s);
+        b.prepare()
+    }
+
     fn decode_on_device(
         &mut self,
         token: u32,
