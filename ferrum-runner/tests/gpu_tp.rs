@@ -856,6 +856,18 @@ fn gemv_variants_are_bit_identical() {
 /// tokens and the host loop's logits are bit-identical before and after it, every shape ends
 /// at one of its candidates, the sequence it decoded is gone, and `set_gemv_variant` refuses
 /// shapes and variants it must not launch (changing nothing).
+/// A small one-GPU model of `arch` (vocab 1001) for the step tuning's tests: the backend, a
+/// 24-token prompt and the 40 greedy tokens the device chose before any tuning.
+fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
+    let mut cfg = config(arch, false, 2);
+    cfg.vocab_size = 1001;
+    let w = weights(&cfg, seed);
+    let p = prompt(24, cfg.vocab_size, seed);
+    let mut b = tp1(&w);
+    let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+    (b, p, before)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn step_tuning_changes_no_result_and_refuses_bad_variants() {
@@ -863,12 +875,7 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
     init();
     let mut tuned = 0;
     for arch in ARCHS {
-        let mut cfg = config(arch, false, 2);
-        cfg.vocab_size = 1001;
-        let w = weights(&cfg, 61);
-        let p = prompt(24, cfg.vocab_size, 4);
-        let mut b = tp1(&w);
-        let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+        let (mut b, p, before) = tuning_model(arch, 61);
         let logits_before: Vec<Vec<u32>> = host_logits(&mut b, &p, 8, 80).iter().map(|l| bits(l)).collect();
         assert!(b.tune_step(StepTune::Off).unwrap().is_none());
         let shapes = b.runner().gemv_shapes();
@@ -930,12 +937,7 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
 fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
     use ferrum_runner::step_tune::{StepTune, TUNE_CAPACITY, TUNE_PROBE_STEPS, TUNE_PROMPT, TUNE_REPS, TUNE_WINDOWS};
     init();
-    let mut cfg = config(Arch::Llama, false, 2);
-    cfg.vocab_size = 1001;
-    let w = weights(&cfg, 62);
-    let p = prompt(24, cfg.vocab_size, 5);
-    let mut b = tp1(&w);
-    let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
+    let (mut b, p, before) = tuning_model(Arch::Llama, 62);
     let start = b.runner().gemv_shapes();
     assert!(start.iter().any(|s| s.candidates.len() > 1), "{start:?}");
     // The tuning's device steps: two probes of the step's length, its untimed pass over the
@@ -970,14 +972,9 @@ fn a_failed_step_tuning_is_a_warning_under_auto_and_the_error_under_on() {
 fn a_cached_step_tuning_is_reused_and_a_bad_entry_is_tuned_again() {
     use ferrum_runner::step_tune::{CacheEntry, StepTune, TuneCache};
     init();
-    let mut cfg = config(Arch::Qwen2, false, 2);
-    cfg.vocab_size = 1001;
-    let w = weights(&cfg, 63);
-    let p = prompt(24, cfg.vocab_size, 6);
+    let (mut b, p, before) = tuning_model(Arch::Qwen2, 63);
     let dir = tempfile::tempdir().unwrap();
     let cache = TuneCache::new(dir.path().join("tune.json"));
-    let mut b = tp1(&w);
-    let before = device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy);
     // Tuning steps beyond a decode's own 40: none when the cache answers.
     let run = |b: &mut CudaBackend, mode| {
         b.tune_at_first_prefill(mode);

@@ -299,27 +299,24 @@ __global__ void __launch_bounds__(WARPS * 32)
 // block, and a per-thread sum added up over the block rounding up (so the bound's ||x||_1 and
 // rounding term stay upper bounds). `red` is WARPS floats of shared memory; both end with every
 // thread holding the block's value.
-__device__ __forceinline__ float block_absmax(const float *x, int K, float *red) {
-    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    float mx = 0.0f;
-    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) red[wid] = mx;
-    __syncthreads();
-    mx = 0.0f;
-    for (int i = 0; i < WARPS; ++i) mx = fmaxf(mx, red[i]);
-    return mx;
-}
-__device__ __forceinline__ float block_sum_ru(float v, float *red) {
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, float *red, Op op) {
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = __fadd_ru(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (lane == 0) red[wid] = v;
     __syncthreads();
     v = 0.0f;
-    for (int i = 0; i < WARPS; ++i) v = __fadd_ru(v, red[i]);
+    for (int i = 0; i < WARPS; ++i) v = op(v, red[i]);
     return v;
+}
+__device__ __forceinline__ float block_absmax(const float *x, int K, float *red) {
+    float mx = 0.0f;
+    for (int c = threadIdx.x; c < K; c += blockDim.x) mx = fmaxf(mx, fabsf(__ldg(x + c)));
+    return block_reduce(mx, red, [](float p, float q) { return fmaxf(p, q); });
+}
+__device__ __forceinline__ float block_sum_ru(float v, float *red) {
+    return block_reduce(v, red, [](float p, float q) { return __fadd_ru(p, q); });
 }
 __device__ __forceinline__ int dp4a_su(int a, unsigned b, int c) {
     int d;
