@@ -280,19 +280,19 @@ impl CudaBackend {
     /// written); a measurement then times device-fed greedy steps over each of the tuning's
     /// windows ([`tune_windows`]), shape by shape and candidate by candidate
     /// ([`coordinate_descent`]). The variants give bit-identical results, so only speed
-    /// changes. Runs only with graphs (eager steps time the host) and when `mode` wants the
-    /// step's length; `None` when it did not run. Shapes `FERRUM_GEMV_SET` set are left alone,
-    /// and so are shapes the step does not launch now (the LM head's under the screened head,
-    /// the folded q/k/v's when it is off). With more than [`TUNE_PROBE_STEPS`] steps a graph
+    /// changes. Runs only with graphs (eager steps time the host); `None` when it did not run,
+    /// a report whose [`searched`](StepTuneReport::searched) is false when the probe's step
+    /// was too long for `mode` (nothing changed). Shapes `FERRUM_GEMV_SET` set are left alone,
+    /// and so are shapes the step does not launch now ([`GemvShape::launched`]: the LM head's
+    /// under the screened head, the folded q/k/v's when it is off). With more than [`TUNE_PROBE_STEPS`] steps a graph
     /// (`FERRUM_GRAPH_STEPS`) the windows replay shorter graphs than a long decode does.
     /// Any sequence is released first; afterwards there is none (the next
     /// [`prefill`](DecodeBackend::prefill) starts one). On an error the variants may be any of
     /// the candidates (all valid).
     pub fn tune_step(&mut self, mode: StepTune) -> Result<Option<StepTuneReport>> {
-        let idle = idle_shapes(self.rank.runner());
         let pinned = &self.pinned;
         let shapes: Vec<GemvShape> = (self.rank.runner().gemv_shapes().into_iter())
-            .filter(|s| !pinned.contains(&(s.rows, s.cols, s.gateup)) && !idle.contains(&(s.rows, s.cols, s.gateup)))
+            .filter(|s| s.launched && !pinned.contains(&(s.rows, s.cols, s.gateup)))
             .collect();
         if mode == StepTune::Off || !self.rank.graphed() || shapes.iter().all(|s| s.candidates.len() < 2) {
             return Ok(None);
@@ -306,11 +306,12 @@ impl CudaBackend {
         self.active = false;
         let out = out?;
         released?;
-        Ok(out.map(|(first, best, choices)| StepTuneReport {
+        let (first, best, choices) = out;
+        Ok(Some(StepTuneReport {
             first_step_s: first,
             best_step_s: best,
-            shapes: choices
-                .into_iter()
+            searched: choices.is_some(),
+            shapes: (choices.into_iter().flatten())
                 .map(|c| ((shapes[c.shape].rows, shapes[c.shape].cols, shapes[c.shape].gateup), c))
                 .collect(),
             wall_s: t0.elapsed().as_secs_f64(),
@@ -318,8 +319,9 @@ impl CudaBackend {
     }
 
     /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence: `(first step,
-    /// best step, decisions)`, seconds a step.
-    fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<Option<(f64, f64, Vec<ShapeChoice>)>> {
+    /// best step, decisions)`, seconds a step; no decisions (and the probe's step twice) when
+    /// `mode` does not want a step that long.
+    fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<(f64, f64, Option<Vec<ShapeChoice>>)> {
         let windows = self.tune_windows.clone();
         // tune_windows keeps every window inside TUNE_PROMPT..=TUNE_CAPACITY.
         let end = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(TUNE_PROMPT).max(TUNE_PROMPT + TUNE_PROBE_STEPS);
@@ -329,8 +331,9 @@ impl CudaBackend {
         // captures the graphs).
         let probe = (TUNE_PROMPT, TUNE_PROBE_STEPS);
         measure_once(&mut self.rank, &[probe], TUNE_PROMPT + TUNE_PROBE_STEPS)?;
-        if !mode.wants(measure_once(&mut self.rank, &[probe], TUNE_PROMPT + TUNE_PROBE_STEPS)?) {
-            return Ok(None);
+        let probed = measure_once(&mut self.rank, &[probe], TUNE_PROMPT + TUNE_PROBE_STEPS)?;
+        if !mode.wants(probed) {
+            return Ok((probed, probed, None));
         }
         // One untimed pass over every position a window reads.
         self.rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
@@ -346,7 +349,7 @@ impl CudaBackend {
         };
         let mut measure = || measure_step(&mut rank.borrow_mut(), &windows, end);
         let (best, choices) = coordinate_descent(&list, TUNE_MARGIN, first, &mut set, &mut measure)?;
-        Ok(Some((first, best, choices)))
+        Ok((first, best, Some(choices)))
     }
 
     /// Has the next [`prefill`](DecodeBackend::prefill) (or `profile_prefill`) run a step-level
@@ -399,22 +402,25 @@ impl CudaBackend {
                 for ((rows, cols, gateup), c) in &r.shapes {
                     tracing::info!(rows, cols, gateup, from = c.from, to = c.to, timed = ?c.timed, "step tuning: GEMV variant");
                 }
-                tracing::info!(
-                    step_us_before = r.first_step_s * 1e6,
-                    step_us_after = r.best_step_s * 1e6,
-                    tuning_ms = r.wall_s * 1e3,
-                    "step tuning done"
-                );
+                if r.searched {
+                    tracing::info!(
+                        step_us_before = r.first_step_s * 1e6,
+                        step_us_after = r.best_step_s * 1e6,
+                        tuning_ms = r.wall_s * 1e3,
+                        "step tuning done"
+                    );
+                } else {
+                    tracing::info!(
+                        step_us = r.first_step_s * 1e6,
+                        probe_ms = r.wall_s * 1e3,
+                        "step tuning: step too long, not tuned"
+                    );
+                }
+                // A step too long to tune is cached too: later processes skip the probe.
                 if let Some((about, c)) = cache {
-                    let entry = CacheEntry {
-                        about,
-                        variants: r.shapes.iter().map(|(k, ch)| (k.0, k.1, k.2, ch.to)).collect(),
-                        step_us: r.best_step_s * 1e6,
-                        stored: std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .map_or(0, |d| d.as_secs()),
-                    };
-                    if let Err(err) = c.put(entry) {
+                    let stored =
+                        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                    if let Err(err) = c.put(CacheEntry::from_report(about, &r, stored)) {
                         tracing::warn!(%err, "step tuning: result not cached");
                     }
                 }
@@ -495,30 +501,6 @@ impl CudaBackend {
             r.steps_per_graph(),
         )
     }
-}
-
-/// The GEMV shapes `r`'s device-fed greedy step does not launch now, though its start-up
-/// tuning listed them: the LM head's under the screened head (whose exact rows take the
-/// head's summation order, which the variants share, not its launch), and the folded q/k/v's
-/// while the fold is off; unless a layer's projection has the same shape.
-fn idle_shapes(r: &CudaDecodeRunner) -> Vec<GemvKey> {
-    let s = r.spec();
-    let layers = [
-        (s.qkv_dim(), s.hidden, false),
-        (s.hidden, s.q_dim(), false),
-        (s.intermediate, s.hidden, true),
-        (s.hidden, s.intermediate, false),
-    ];
-    let head = (s.vocab, s.hidden, false);
-    let fold = (s.hidden + s.qkv_dim(), s.intermediate + s.hidden, false);
-    let mut idle = Vec::new();
-    if r.screened_head() && !layers.contains(&head) {
-        idle.push(head);
-    }
-    if !r.folded_qkv() && !layers.contains(&fold) && fold != head {
-        idle.push(fold);
-    }
-    idle
 }
 
 /// Seconds a step of device-fed greedy decoding over `windows` (`(first position, steps)`) of

@@ -189,7 +189,8 @@ pub struct CacheEntry {
     /// What the tuning ran on, in words (the key is its hash): the kernels' build, the GPU,
     /// the model's shapes, the step's options and the `FERRUM_*` settings.
     pub about: String,
-    /// The searched shapes' variants, `(rows, cols, gate|up, variant)`.
+    /// The searched shapes' variants, `(rows, cols, gate|up, variant)`; none when the step was
+    /// too long to search ([`StepTuneReport::searched`]).
     pub variants: Vec<(usize, usize, bool, usize)>,
     /// The tuned step, µs (as the tuning measured it).
     pub step_us: f64,
@@ -294,8 +295,25 @@ pub struct StepTuneReport {
     pub best_step_s: f64,
     /// Each searched shape `(rows, cols, gate|up)` and its decision.
     pub shapes: Vec<(GemvKey, ShapeChoice)>,
+    /// Whether the shapes were searched: false when the probe's step was too long for the
+    /// mode ([`StepTune::wants`]); then `shapes` is empty and both step times are the probe's.
+    pub searched: bool,
     /// Wall time the tuning took, seconds.
     pub wall_s: f64,
+}
+
+impl CacheEntry {
+    /// The entry that keeps `r` for the tuning `about` describes, stored at `stored` (seconds
+    /// since the Unix epoch): its shapes' chosen variants (none when nothing was searched, so
+    /// that a later process skips the probe too) and its tuned step.
+    pub fn from_report(about: String, r: &StepTuneReport, stored: u64) -> Self {
+        CacheEntry {
+            about,
+            variants: r.shapes.iter().map(|(k, c)| (k.0, k.1, k.2, c.to)).collect(),
+            step_us: r.best_step_s * 1e6,
+            stored,
+        }
+    }
 }
 
 /// The median of `xs` (the upper one of an even count); `NaN` for none.
@@ -437,6 +455,18 @@ mod tests {
         }
         assert_eq!(c.read().unwrap().entries.len(), CACHE_MAX_ENTRIES);
         assert_eq!(c.get("n0").unwrap(), None);
+        // A step too long to tune is kept as an entry without variants.
+        let probe = StepTuneReport {
+            first_step_s: 0.00390625,
+            best_step_s: 0.00390625,
+            shapes: vec![],
+            searched: false,
+            wall_s: 0.1,
+        };
+        let long = CacheEntry::from_report("long".into(), &probe, 1000);
+        assert_eq!(long, CacheEntry { about: "long".into(), variants: vec![], step_us: 3906.25, stored: 1000 });
+        c.put(long.clone()).unwrap();
+        assert_eq!(c.get("long").unwrap(), Some(long));
         assert!(c.get(&format!("n{}", CACHE_MAX_ENTRIES + 4)).unwrap().is_some());
         // A cache in a place that cannot be written is an error, not a panic.
         let blocked = TuneCache::new(c.path().join("under-a-file.json"));

@@ -852,10 +852,6 @@ fn gemv_variants_are_bit_identical() {
     }
 }
 
-/// The step-level tuning ([`ferrum_runner::step_tune`]) changes speed only: the device loop's
-/// tokens and the host loop's logits are bit-identical before and after it, every shape ends
-/// at one of its candidates, the sequence it decoded is gone, and `set_gemv_variant` refuses
-/// shapes and variants it must not launch (changing nothing).
 /// A small one-GPU model of `arch` (vocab 1001) for the step tuning's tests: the backend, a
 /// 24-token prompt and the 40 greedy tokens the device chose before any tuning.
 fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
@@ -868,6 +864,11 @@ fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
     (b, p, before)
 }
 
+/// The step-level tuning ([`ferrum_runner::step_tune`]) changes speed only: the device loop's
+/// tokens and the host loop's logits are bit-identical before and after it, every shape ends
+/// at one of its candidates, the sequence it decoded is gone, and `set_gemv_variant` refuses
+/// shapes and variants it must not launch (changing nothing). `gemv_shapes` marks the LM head's shape
+/// as not launched under the screened head (the tuning leaves it alone then).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn step_tuning_changes_no_result_and_refuses_bad_variants() {
@@ -886,6 +887,7 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
             continue;
         };
         tuned += 1;
+        assert!(r.searched, "{arch:?}: On searches whatever the step's length");
         println!(
             "{arch:?}: step tuning {:.1} -> {:.1} us a step in {:.0} ms, {:?}",
             r.first_step_s * 1e6,
@@ -928,6 +930,15 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
         let e = b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, outside).unwrap_err();
         assert!(matches!(e, ferrum_cuda::Error::InvalidArgument(_)), "{e:?}");
         assert_eq!(b.runner().gemv_shapes(), after);
+        // What the step launches: all five shapes; under the screened head all but the LM
+        // head's (1001 rows: no layer projection of these models has that shape).
+        assert!(after.iter().all(|s| s.launched), "{arch:?}: {after:?}");
+        assert!(b.runner().set_screened_head(true).unwrap(), "{arch:?}: this shape has a screened head");
+        for s in b.runner().gemv_shapes() {
+            assert_eq!(s.launched, s.rows != 1001, "{arch:?} screened: {s:?}");
+        }
+        assert!(!b.runner().set_screened_head(false).unwrap());
+        assert!(b.runner().gemv_shapes().iter().all(|s| s.launched), "{arch:?}");
     }
     assert!(tuned > 0, "no architecture had a shape with two candidates: the test checked nothing");
 }

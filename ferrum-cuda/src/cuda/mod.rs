@@ -1629,6 +1629,26 @@ impl CudaDecodeRunner {
         v
     }
 
+    /// The GEMV shapes (`(rows, cols, gate|up)`, as the tuning table keys them) that a
+    /// one-token device-fed greedy step launches now: the four layer projections, the LM
+    /// head's without the screened head, the folded q/k/v's with the fold.
+    fn step_gemv_keys(&self) -> Vec<(usize, usize, bool)> {
+        let s = &self.spec;
+        let mut keys = vec![
+            (s.qkv_dim(), s.hidden, false),
+            (s.hidden, s.q_dim(), false),
+            (s.intermediate, s.hidden, true),
+            (s.hidden, s.intermediate, false),
+        ];
+        if !self.screened_head() {
+            keys.push((s.vocab, s.hidden, false));
+        }
+        if self.folded_qkv() {
+            keys.push((s.hidden + s.qkv_dim(), s.intermediate + s.hidden, false));
+        }
+        keys
+    }
+
     /// The tuned GEMV shapes of this runner's steps, in a fixed order (by rows, columns,
     /// gate|up), each with its launch variant now and the variants it may launch (indices into
     /// the variant list, `plan::GEMV_VARIANT_COUNT` of them: all of them, unless
@@ -1637,20 +1657,20 @@ impl CudaDecodeRunner {
     /// tuning of the whole step ([`set_gemv_variant`](Self::set_gemv_variant)): the start-up
     /// tuning times each shape alone, and variants that time alike there may not run alike
     /// between the step's other kernels. Every shape tuned at start-up is listed, whether the
-    /// step launches it now or not: the folded q/k/v's after [`set_folded_qkv`](Self::set_folded_qkv)
-    /// turned it off again, and the LM head's under the screened head (whose exact rows take
-    /// the head variant's summation order, not its launch).
+    /// step launches it now or not ([`GemvShape::launched`] says which).
     pub fn gemv_shapes(&self) -> Vec<GemvShape> {
+        let launched = self.step_gemv_keys();
         let mut v: Vec<_> = self
             .k
             .gemv_table
             .iter()
-            .map(|(&(rows, cols, gateup), var)| GemvShape {
+            .map(|(&key @ (rows, cols, gateup), var)| GemvShape {
                 rows,
                 cols,
                 gateup,
                 variant: variant_index(var),
-                candidates: self.k.gemv_candidates.get(&(rows, cols, gateup)).cloned().unwrap_or_default(),
+                candidates: self.k.gemv_candidates.get(&key).cloned().unwrap_or_default(),
+                launched: launched.contains(&key),
             })
             .collect();
         v.sort_by_key(|s| (s.rows, s.cols, s.gateup));
@@ -1846,6 +1866,12 @@ pub struct GemvShape {
     /// The variants [`CudaDecodeRunner::set_gemv_variant`] accepts for this shape (the one
     /// launched now among them); one only when `FERRUM_GEMV_VARIANT` forces it.
     pub candidates: Vec<usize>,
+    /// Whether a one-token device-fed greedy step launches this shape now. Not the LM head's
+    /// under the screened head ([`CudaDecodeRunner::set_screened_head`]: its exact rows take
+    /// the head variant's summation order, not its launch), nor the folded q/k/v's while the
+    /// fold is off ([`CudaDecodeRunner::set_folded_qkv`]); unless a layer's projection has the
+    /// same shape.
+    pub launched: bool,
 }
 
 /// The index of `v`'s launch shape in [`GEMV_VARIANTS`] (its split-K factor aside).
