@@ -70,7 +70,9 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 extra = ""
 if r.get("host_us_per_token") is not None:
-    extra = f"; host {r['host_us_per_token']:.2f} us/token, capture {r['capture_ms']:.1f} ms"
+    extra = f"; host {r['host_us_per_token']:.2f} us/token"
+if r.get("capture_ms") is not None:  # none when the step's graphs were captured before the timed runs
+    extra += f", capture {r['capture_ms']:.1f} ms"
 print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}, {r.get('lm_head', '?')} head: {r['decode_tok_per_s']:.0f} tok/s, "
       f"{r['decode_ms_per_token_median']:.3f} ms/tok (worst run {r['decode_ms_per_token_p99']:.3f}), "
       f"prefill {r['prefill_ms_median']:.1f} ms, {r['achieved_gb_per_s']:.0f} GB/s per GPU = "
@@ -140,9 +142,13 @@ PY
     for f in "$OUT"/bench-*.json; do  # early copy, in case the peer runs past a time limit
         [ -f "$f" ] && python3 -c 'import json,sys,os; print(json.dumps(dict(json.load(open(sys.argv[1])), file=os.path.basename(sys.argv[1]))))' "$f"
     done >"$RET/bench-all.jsonl" 2>/dev/null
-    if [ -f "$B/torch_decode.py" ] && [ -z "${SKIP_PEER:-}" ]; then
-        say "== PyTorch peer (same GPU, same command)"
-        python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
+    if [ -z "${SKIP_PEER:-}" ]; then
+        if [ -f "$B/torch_decode.py" ]; then
+            say "== PyTorch peer (same GPU, same command)"
+            python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
+        else
+            say "== PyTorch peer NOT RUN: $B/torch_decode.py is missing (cargo xtask gpu-bundle copies ../shared/peers/torch_decode.py)"
+        fi
     fi
 fi
 for f in "$OUT"/bench-*.json; do

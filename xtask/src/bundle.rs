@@ -8,7 +8,9 @@
 //!   (`tests/gpu_tp.rs`), built with each TP barrier (spin-park, then `barrier-std`);
 //! - `ferrum`: the CLI;
 //! - `run-gpu-suite.sh`: runs every test executable with `--ignored --test-threads=1`
-//!   (extra arguments are passed on), with `NCCL_NVLS_ENABLE=0` exported.
+//!   (extra arguments are passed on), with `NCCL_NVLS_ENABLE=0` exported;
+//! - `torch_decode.py`: the PyTorch peer (`../shared/peers/`, beside the repository), when
+//!   present, for `scripts/gpu-session.sh`.
 //!
 //! All are release builds with `--features cuda`, stripped and gzipped (every executable embeds
 //! the PTX, ~7 MB of text that compresses well); `unpack.sh` (run by `run-gpu-suite.sh` and the
@@ -175,6 +177,14 @@ pub fn run(a: BundleArgs) -> Result<()> {
             fs::set_permissions(&script, fs::Permissions::from_mode(0o755))?;
         }
         total += text.len() as u64;
+    }
+    // The PyTorch peer that `scripts/gpu-session.sh` runs beside `ferrum bench`: it lives
+    // beside the repository (`../shared/peers/`), not in it.
+    let peer = root.join("../shared/peers/torch_decode.py");
+    if peer.is_file() {
+        total += fs::copy(&peer, out.join("torch_decode.py")).with_context(|| format!("copying {}", peer.display()))?;
+    } else {
+        eprintln!("gpu-bundle: {} not found: the bundle has no PyTorch peer", peer.display());
     }
     println!("gpu-bundle: {} ({:.1} MiB)", out.display(), total as f64 / (1u64 << 20) as f64);
     if total > MAX_BYTES {
