@@ -15,6 +15,11 @@
 // code again and the time per instruction jumps. Printed: µs per launch, and cycles per
 // instruction over the empty kernel (at 1.98 GHz: the H200's SM clock in these runs).
 //
+// Results (H200, session 39): docs/bench/2026-12-03-session39/call{3,4}-icache.txt and
+// docs/PERF.md. In short: ~1 cycle an FFMA while the kernels' code fits ~24-32 KB, ~2.85 once it
+// does not; code a kernel jumps over takes room too; with 32 warps a multiprocessor the misses
+// are hidden.
+//
 // Each body is N groups of 16 FFMA (four independent chains, 4 deep each; an FFMA is 16 bytes,
 // so a group is 256 bytes of code), with immediates that differ by kernel and group so that no
 // two kernels' code is alike; the sink store keeps the chains live.
