@@ -69,10 +69,13 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 import json, sys
 r = json.load(open(sys.argv[1]))
 extra = ""
+parts = []
 if r.get("host_us_per_token") is not None:
-    extra = f"; host {r['host_us_per_token']:.2f} us/token"
+    parts.append(f"host {r['host_us_per_token']:.2f} us/token")
 if r.get("capture_ms") is not None:  # none when the step's graphs were captured before the timed runs
-    extra += f", capture {r['capture_ms']:.1f} ms"
+    parts.append(f"capture {r['capture_ms']:.1f} ms")
+if parts:
+    extra = "; " + ", ".join(parts)
 print(f"ferrum {r['model']} [{r['backend']}] {r['mode']}, {r.get('lm_head', '?')} head: {r['decode_tok_per_s']:.0f} tok/s, "
       f"{r['decode_ms_per_token_median']:.3f} ms/tok (worst run {r['decode_ms_per_token_p99']:.3f}), "
       f"prefill {r['prefill_ms_median']:.1f} ms, {r['achieved_gb_per_s']:.0f} GB/s per GPU = "
@@ -146,6 +149,9 @@ PY
         if [ -f "$B/torch_decode.py" ]; then
             say "== PyTorch peer (same GPU, same command)"
             python3 "$B/torch_decode.py" smollm2_135m llama32_1b llama3_8b 2>>"$OUT/peer.log" | tee -a "$S"
+            rc=${PIPESTATUS[0]}
+            cp "$OUT/peer.log" "$RET/" 2>/dev/null
+            [ "$rc" = 0 ] || { say "== PyTorch peer FAILED (exit $rc); the end of peer.log:"; tail -3 "$OUT/peer.log" | tee -a "$S"; }
         else
             say "== PyTorch peer NOT RUN: $B/torch_decode.py is missing (cargo xtask gpu-bundle copies ../shared/peers/torch_decode.py)"
         fi

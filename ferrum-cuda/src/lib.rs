@@ -53,7 +53,7 @@ pub use cuda::peer;
 #[cfg(feature = "cuda")]
 pub use cuda::{
     device_count, device_info, measure_copy_bandwidth, profiler_range, CudaDecodeRunner, DeviceLogits, DeviceStepKey,
-    GemvShape, NoReduce, ReduceBuf, Reducer,
+    GemvKey, GemvShape, NoReduce, ReduceBuf, Reducer,
 };
 /// cudarc, re-exported so that layers above (NCCL, graphs) use the same version.
 #[cfg(feature = "cuda")]

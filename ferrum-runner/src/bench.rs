@@ -125,7 +125,8 @@ struct Report {
     /// runs; one replay a token unless `FERRUM_GRAPH_STEPS` packs several steps a graph), µs.
     host_us_per_token: Option<f64>,
     /// Device loop with graphs: time to capture, instantiate and upload the step graph, ms
-    /// (of the last run that captured, normally the warm-up run; on TP, rank 0's).
+    /// (of the last run that captured; on TP, rank 0's). None when every graph the runs
+    /// replayed was captured before them (by the step tuning's probe in `prepare`, say).
     capture_ms: Option<f64>,
     /// `--kernel-profile`: GPU time per kernel of one profiled decode step, largest first.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -411,8 +412,12 @@ pub fn run(a: BenchArgs) -> Result<()> {
         println!("mode                  {}, LM head {}", r.mode, r.lm_head);
         let worst = if device { "worst run" } else { "p99" };
         println!("decode                {:.3} ms/token median, {:.3} {worst}", med, r.decode_ms_per_token_p99);
-        if let (Some(h), Some(c)) = (r.host_us_per_token, r.capture_ms) {
-            println!("host per token        {h:.2} µs to queue a replay; capture {c:.1} ms");
+        match (r.host_us_per_token, r.capture_ms) {
+            (Some(h), Some(c)) => println!("host per token        {h:.2} µs to queue a replay; capture {c:.1} ms"),
+            (Some(h), None) => {
+                println!("host per token        {h:.2} µs to queue a replay (graphs captured before the runs)")
+            }
+            _ => {}
         }
         println!("decode speed          {:.1} tok/s", r.decode_tok_per_s);
         println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);

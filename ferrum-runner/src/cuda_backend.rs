@@ -290,16 +290,17 @@ impl CudaBackend {
     /// [`prefill`](DecodeBackend::prefill) starts one). On an error the variants may be any of
     /// the candidates (all valid).
     pub fn tune_step(&mut self, mode: StepTune) -> Result<Option<StepTuneReport>> {
-        let pinned = &self.pinned;
+        // Shapes with a choice that the step may launch (the probe's step below says which it
+        // does: GemvShape::launched), less those FERRUM_GEMV_SET pinned.
         let shapes: Vec<GemvShape> = (self.rank.runner().gemv_shapes().into_iter())
-            .filter(|s| s.launched && !pinned.contains(&(s.rows, s.cols, s.gateup)))
+            .filter(|s| s.candidates.len() > 1 && s.launched != Some(false) && !self.pinned.contains(&s.key()))
             .collect();
-        if mode == StepTune::Off || !self.rank.graphed() || shapes.iter().all(|s| s.candidates.len() < 2) {
+        if mode == StepTune::Off || !self.rank.graphed() || shapes.is_empty() {
             return Ok(None);
         }
         let t0 = Instant::now();
         self.new_sequence(TUNE_CAPACITY)?;
-        let out = self.tune_shapes(mode, &shapes);
+        let out = self.tune_shapes(mode, shapes);
         // The tuning's sequence goes whatever happened; an error of the tuning comes first.
         // `release` fails only for a sequence that is already gone, so none is active either way.
         let released = self.rank.runner().release(SEQ).map_err(cuda_error);
@@ -311,17 +312,16 @@ impl CudaBackend {
             first_step_s: first,
             best_step_s: best,
             searched: choices.is_some(),
-            shapes: (choices.into_iter().flatten())
-                .map(|c| ((shapes[c.shape].rows, shapes[c.shape].cols, shapes[c.shape].gateup), c))
-                .collect(),
+            shapes: choices.unwrap_or_default(),
             wall_s: t0.elapsed().as_secs_f64(),
         }))
     }
 
-    /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence: `(first step,
-    /// best step, decisions)`, seconds a step; no decisions (and the probe's step twice) when
+    /// [`tune_step`](Self::tune_step)'s search on the open tuning sequence over those of
+    /// `shapes` that the probe's step launched: `(first step, best step, each searched shape
+    /// and its decision)`, seconds a step; no decisions (and the probe's step twice) when
     /// `mode` does not want a step that long.
-    fn tune_shapes(&mut self, mode: StepTune, shapes: &[GemvShape]) -> Result<(f64, f64, Option<Vec<ShapeChoice>>)> {
+    fn tune_shapes(&mut self, mode: StepTune, shapes: Vec<GemvShape>) -> Result<TuneOutcome> {
         let windows = self.tune_windows.clone();
         // tune_windows keeps every window inside TUNE_PROMPT..=TUNE_CAPACITY.
         let end = windows.iter().map(|w| w.0 + w.1).max().unwrap_or(TUNE_PROMPT).max(TUNE_PROMPT + TUNE_PROBE_STEPS);
@@ -335,6 +335,11 @@ impl CudaBackend {
         if !mode.wants(probed) {
             return Ok((probed, probed, None));
         }
+        // The probe encoded the step under the current settings (or replayed a graph of them):
+        // only the shapes it launched are searched.
+        let now = self.rank.runner().gemv_shapes();
+        let shapes: Vec<GemvShape> =
+            shapes.into_iter().filter(|s| now.iter().any(|n| n.key() == s.key() && n.launched == Some(true))).collect();
         // One untimed pass over every position a window reads.
         self.rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
         self.rank.device_steps(SEQ, TUNE_PROMPT + 1, end - TUNE_PROMPT, DeviceSampling::Greedy)?;
@@ -349,7 +354,7 @@ impl CudaBackend {
         };
         let mut measure = || measure_step(&mut rank.borrow_mut(), &windows, end);
         let (best, choices) = coordinate_descent(&list, TUNE_MARGIN, first, &mut set, &mut measure)?;
-        Ok((first, best, Some(choices)))
+        Ok((first, best, Some(choices.into_iter().map(|c| (shapes[c.shape].key(), c)).collect())))
     }
 
     /// Has the next [`prefill`](DecodeBackend::prefill) (or `profile_prefill`) run a step-level
@@ -383,6 +388,16 @@ impl CudaBackend {
         // settings; On always tunes (and refreshes the entry).
         if let (StepTune::Auto, Some((about, c))) = (mode, &cache) {
             match c.get(about) {
+                Ok(Some(e)) if !e.usable() => {
+                    tracing::debug!(
+                        step_us = e.step_us,
+                        "step tuning: a cached 'too long' that auto would tune now; probing again"
+                    );
+                }
+                Ok(Some(e)) if e.variants.is_empty() => {
+                    tracing::info!(path = %c.path().display(), step_us = e.step_us, "step tuning: skipped (cached: the step is too long)");
+                    return Ok(());
+                }
                 Ok(Some(e)) => match self.apply_cached(&e) {
                     Ok(()) => {
                         tracing::info!(path = %c.path().display(), step_us = e.step_us, variants = ?e.variants, "step tuning: cached");
@@ -416,11 +431,13 @@ impl CudaBackend {
                         "step tuning: step too long, not tuned"
                     );
                 }
-                // A step too long to tune is cached too: later processes skip the probe.
-                if let Some((about, c)) = cache {
-                    let stored =
-                        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-                    if let Err(err) = c.put(CacheEntry::from_report(about, &r, stored)) {
+                // A step clearly too long to tune is cached too: later processes skip the probe.
+                let stored =
+                    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+                if let Some((c, entry)) =
+                    cache.and_then(|(about, c)| Some((c, CacheEntry::from_report(about, &r, stored)?)))
+                {
+                    if let Err(err) = c.put(entry) {
                         tracing::warn!(%err, "step tuning: result not cached");
                     }
                 }
@@ -457,10 +474,12 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// What a step tuning's result depends on, in words (its cache key is the hash): the
-    /// kernels' build (a hash of the embedded PTX), the GPU, the dtype, the model's shape, the
-    /// GEMV shapes and their candidates, the step's options (screened head, folded q/k/v,
-    /// steps a graph), the timed windows and every `FERRUM_*` setting but the cache's own.
+    /// What a step tuning's result depends on, in words (its cache key is the hash): this
+    /// crate's version and the kernels' build (a hash of the embedded PTX; other host code is
+    /// not hashed), the GPU, the dtype, the model's shape, the GEMV shapes and their
+    /// candidates, the step's options (projection, screened head, folded q/k/v, steps a
+    /// graph), the timed windows, `auto`'s step limit and every `FERRUM_*` setting but the
+    /// cache's own.
     fn tune_about(&mut self) -> String {
         static PTX: std::sync::OnceLock<String> = std::sync::OnceLock::new();
         let ptx = PTX.get_or_init(|| {
@@ -492,16 +511,23 @@ impl CudaBackend {
         };
         let shapes: Vec<_> = r.gemv_shapes().into_iter().map(|s| (s.rows, s.cols, s.gateup, s.candidates)).collect();
         format!(
-            "ptx {ptx} | {device} | {} | {:?} | shapes {shapes:?} | screened head {} folded qkv {} steps a graph {} | \
-             windows {windows:?} | env {env:?}",
+            "ferrum-runner {} | ptx {ptx} | {device} | {} | {:?} | shapes {shapes:?} | {:?} projection | screened head {} \
+             folded qkv {} steps a graph {} | windows {windows:?} | auto up to {} us | env {env:?}",
+            env!("CARGO_PKG_VERSION"),
             r.dtype().name(),
             r.spec(),
+            r.projection(),
             r.screened_head(),
             r.folded_qkv(),
             r.steps_per_graph(),
+            crate::step_tune::AUTO_MAX_STEP_S * 1e6,
         )
     }
 }
+
+/// What [`CudaBackend::tune_shapes`] found: the first and the best step (seconds) and, when it
+/// searched, each searched shape and its decision.
+type TuneOutcome = (f64, f64, Option<Vec<(GemvKey, ShapeChoice)>>);
 
 /// Seconds a step of device-fed greedy decoding over `windows` (`(first position, steps)`) of
 /// the tuning sequence, whose rows up to `end` hold a decoded sequence (or will not be read):

@@ -33,8 +33,9 @@ pub enum StepTune {
     Off,
     /// `auto` (unset): tune when one step is short ([`AUTO_MAX_STEP_S`]): there kernel
     /// boundaries are a large share of the step; an earlier tuning's cached result is taken
-    /// instead when there is one ([`TuneCache`]). A tuning error is then a warning and the
-    /// start-up choices stay.
+    /// instead when there is one ([`TuneCache`]; a step cached as too long to tune skips the
+    /// probe too: [`CacheEntry::usable`]). A tuning error is then a warning and the start-up
+    /// choices stay.
     Auto,
     /// `1`: tune whatever the step's length and whatever is cached; a tuning error is the
     /// error of the prefill that runs it.
@@ -192,7 +193,8 @@ pub struct CacheEntry {
     /// The searched shapes' variants, `(rows, cols, gate|up, variant)`; none when the step was
     /// too long to search ([`StepTuneReport::searched`]).
     pub variants: Vec<(usize, usize, bool, usize)>,
-    /// The tuned step, µs (as the tuning measured it).
+    /// The tuned step, µs (as the tuning measured it); for an entry without variants, the
+    /// probe's step (one short pass, untuned).
     pub step_us: f64,
     /// When it was stored (seconds since the Unix epoch): the oldest entries go first.
     pub stored: u64,
@@ -302,17 +304,34 @@ pub struct StepTuneReport {
     pub wall_s: f64,
 }
 
+/// How many times [`AUTO_MAX_STEP_S`] a probed step must take for the cache to keep "too long
+/// to tune" ([`CacheEntry::from_report`]): one probe is a single short pass, and a process
+/// whose GPU was busy or slowed (a profiler, another process) must not switch `auto` off for
+/// later ones; a step nearer the limit is probed again each time (a prefill and 16 steps).
+pub const CACHE_LONG_FACTOR: f64 = 2.0;
+
 impl CacheEntry {
     /// The entry that keeps `r` for the tuning `about` describes, stored at `stored` (seconds
-    /// since the Unix epoch): its shapes' chosen variants (none when nothing was searched, so
-    /// that a later process skips the probe too) and its tuned step.
-    pub fn from_report(about: String, r: &StepTuneReport, stored: u64) -> Self {
-        CacheEntry {
+    /// since the Unix epoch): its shapes' chosen variants and its tuned step; when nothing was
+    /// searched (the probe's step too long), an entry without variants, so that a later
+    /// process skips the probe too, but only for a step over [`CACHE_LONG_FACTOR`] times
+    /// [`AUTO_MAX_STEP_S`] (else `None`: nothing to keep).
+    pub fn from_report(about: String, r: &StepTuneReport, stored: u64) -> Option<Self> {
+        if !r.searched && r.first_step_s <= CACHE_LONG_FACTOR * AUTO_MAX_STEP_S {
+            return None;
+        }
+        Some(CacheEntry {
             about,
             variants: r.shapes.iter().map(|(k, c)| (k.0, k.1, k.2, c.to)).collect(),
             step_us: r.best_step_s * 1e6,
             stored,
-        }
+        })
+    }
+
+    /// Whether `auto` may take this entry instead of tuning: one with variants always; one
+    /// without (a step too long to tune) only while `auto` would still not tune its step.
+    pub fn usable(&self) -> bool {
+        !self.variants.is_empty() || !StepTune::Auto.wants(self.step_us * 1e-6)
     }
 }
 
@@ -412,6 +431,35 @@ mod tests {
         }
     }
 
+    #[test]
+    fn only_a_step_clearly_too_long_is_cached_as_such_and_auto_reconsiders_others() {
+        let report = |step_s: f64, searched: bool| StepTuneReport {
+            first_step_s: step_s,
+            best_step_s: step_s,
+            shapes: if searched { vec![((576, 576, false), choice())] } else { vec![] },
+            searched,
+            wall_s: 0.1,
+        };
+        let limit = CACHE_LONG_FACTOR * AUTO_MAX_STEP_S;
+        // Not searched: kept only past the factor (a noisy probe near the limit keeps nothing).
+        assert_eq!(CacheEntry::from_report("a".into(), &report(limit, false), 1), None);
+        assert_eq!(CacheEntry::from_report("a".into(), &report(AUTO_MAX_STEP_S * 1.1, false), 1), None);
+        let long = CacheEntry::from_report("a".into(), &report(limit * 1.5, false), 1).unwrap();
+        assert!(long.variants.is_empty() && long.usable());
+        // Searched: kept whatever the step, with its variants.
+        let tuned = CacheEntry::from_report("a".into(), &report(AUTO_MAX_STEP_S / 2.0, true), 1).unwrap();
+        assert_eq!(tuned.variants, vec![(576, 576, false, 1)]);
+        assert!(tuned.usable());
+        // An entry without variants whose step auto would tune (an older limit, or a hand
+        // edit) is not taken: auto probes again.
+        let stale = CacheEntry { step_us: AUTO_MAX_STEP_S * 1e6 / 2.0, ..long };
+        assert!(!stale.usable());
+    }
+
+    fn choice() -> ShapeChoice {
+        ShapeChoice { shape: 0, from: 0, to: 1, timed: vec![(0, 1.0), (1, 0.9)] }
+    }
+
     fn entry(about: &str, stored: u64) -> CacheEntry {
         CacheEntry { about: about.into(), variants: vec![(1536, 576, true, 3)], step_us: 375.7, stored }
     }
@@ -463,7 +511,7 @@ mod tests {
             searched: false,
             wall_s: 0.1,
         };
-        let long = CacheEntry::from_report("long".into(), &probe, 1000);
+        let long = CacheEntry::from_report("long".into(), &probe, 1000).unwrap();
         assert_eq!(long, CacheEntry { about: "long".into(), variants: vec![], step_us: 3906.25, stored: 1000 });
         c.put(long.clone()).unwrap();
         assert_eq!(c.get("long").unwrap(), Some(long));

@@ -854,6 +854,12 @@ fn gemv_variants_are_bit_identical() {
 
 /// A small one-GPU model of `arch` (vocab 1001) for the step tuning's tests: the backend, a
 /// 24-token prompt and the 40 greedy tokens the device chose before any tuning.
+/// Each shape's key and launch variant (what a tuning changes; `launched` depends on what was
+/// encoded since).
+fn variants(shapes: &[ferrum_cuda::GemvShape]) -> Vec<(ferrum_cuda::GemvKey, usize)> {
+    shapes.iter().map(|s| (s.key(), s.variant)).collect()
+}
+
 fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
     let mut cfg = config(arch, false, 2);
     cfg.vocab_size = 1001;
@@ -929,16 +935,33 @@ fn step_tuning_changes_no_result_and_refuses_bad_variants() {
         let outside = (0..ferrum_cuda::plan::GEMV_VARIANT_COUNT + 1).find(|v| !s.candidates.contains(v)).unwrap();
         let e = b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, outside).unwrap_err();
         assert!(matches!(e, ferrum_cuda::Error::InvalidArgument(_)), "{e:?}");
-        assert_eq!(b.runner().gemv_shapes(), after);
-        // What the step launches: all five shapes; under the screened head all but the LM
+        assert_eq!(variants(&b.runner().gemv_shapes()), variants(&after));
+        // What the step launches, as recorded when a device-fed step is encoded under the
+        // settings of the moment: all five shapes; under the screened head all but the LM
         // head's (1001 rows: no layer projection of these models has that shape).
-        assert!(after.iter().all(|s| s.launched), "{arch:?}: {after:?}");
+        device_tokens(&mut b, &p, 4, 80, DeviceSampling::Greedy);
+        let full = b.runner().gemv_shapes();
+        assert!(full.iter().all(|s| s.launched == Some(true)), "{arch:?}: {full:?}");
         assert!(b.runner().set_screened_head(true).unwrap(), "{arch:?}: this shape has a screened head");
+        let changed = b.runner().gemv_shapes();
+        assert!(changed.iter().all(|s| s.launched.is_none()), "{arch:?}: nothing encoded since: {changed:?}");
+        device_tokens(&mut b, &p, 4, 80, DeviceSampling::Greedy);
         for s in b.runner().gemv_shapes() {
-            assert_eq!(s.launched, s.rows != 1001, "{arch:?} screened: {s:?}");
+            assert_eq!(s.launched, Some(s.rows != 1001), "{arch:?} screened: {s:?}");
         }
+        // The tuning searches what the step launches: the LM head's shape (a candidate above,
+        // where the whole head ran) not under the screened head.
+        let head_searched = |r: &ferrum_runner::step_tune::StepTuneReport| r.shapes.iter().any(|(k, _)| k.0 == 1001);
+        if shapes.iter().any(|s| s.rows == 1001 && s.candidates.len() > 1) {
+            assert!(head_searched(&r), "{arch:?}: {r:?}");
+        }
+        let screened = b.tune_step(StepTune::On).unwrap().expect("a shape with a choice");
+        assert!(
+            screened.searched && !screened.shapes.is_empty() && !head_searched(&screened),
+            "{arch:?}: {screened:?}"
+        );
+        assert_eq!(device_tokens(&mut b, &p, 40, 80, DeviceSampling::Greedy), before, "{arch:?} screened");
         assert!(!b.runner().set_screened_head(false).unwrap());
-        assert!(b.runner().gemv_shapes().iter().all(|s| s.launched), "{arch:?}");
     }
     assert!(tuned > 0, "no architecture had a shape with two candidates: the test checked nothing");
 }
@@ -1010,7 +1033,29 @@ fn a_cached_step_tuning_is_reused_and_a_bad_entry_is_tuned_again() {
         b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
     }
     assert_eq!(run(&mut b, StepTune::Auto), 0, "a cached tuning ran again");
-    assert_eq!(b.runner().gemv_shapes(), tuned);
+    assert_eq!(variants(&b.runner().gemv_shapes()), variants(&tuned));
+    // An entry of a step too long to tune (no variants, a 1 s step): Auto skips even the probe
+    // and changes nothing; the same entry with a step Auto would tune is not taken (a probe
+    // and a tuning run).
+    let mut long = file.clone();
+    for e in long["entries"].as_object_mut().unwrap().values_mut() {
+        e["variants"] = serde_json::json!([]);
+        e["step_us"] = serde_json::json!(1e6);
+    }
+    std::fs::write(cache.path(), serde_json::to_string(&long).unwrap()).unwrap();
+    let moved: Vec<_> = tuned.iter().filter(|s| s.candidates.len() > 1).collect();
+    for s in &moved {
+        let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
+        b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
+    }
+    let moved_now = variants(&b.runner().gemv_shapes());
+    assert_eq!(run(&mut b, StepTune::Auto), 0, "a cached 'too long' probed or tuned");
+    assert_eq!(variants(&b.runner().gemv_shapes()), moved_now, "a cached 'too long' changed a variant");
+    for e in long["entries"].as_object_mut().unwrap().values_mut() {
+        e["step_us"] = serde_json::json!(10.0);
+    }
+    std::fs::write(cache.path(), serde_json::to_string(&long).unwrap()).unwrap();
+    assert!(run(&mut b, StepTune::Auto) > 0, "a stale 'too long' was taken");
     // On tunes whatever the cache holds.
     assert!(run(&mut b, StepTune::On) > 0);
     // An entry naming a variant the runner refuses (the file edited by hand): a warning, and a

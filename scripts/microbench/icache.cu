@@ -16,9 +16,10 @@
 // instruction over the empty kernel (at 1.98 GHz: the H200's SM clock in these runs).
 //
 // Results (H200, session 39): docs/bench/2026-12-03-session39/call{3,4}-icache.txt and
-// docs/PERF.md. In short: ~1 cycle an FFMA while the kernels' code fits ~24-32 KB, ~2.85 once it
-// does not; code a kernel jumps over takes room too; with 32 warps a multiprocessor the misses
-// are hidden.
+// docs/PERF.md (those runs labelled each kernel by its FFMA bytes, N x 256, not its whole code,
+// 640 bytes more). In short: ~1 cycle an FFMA while the kernels' code fits ~28 KB (6 x 4.6 KiB),
+// ~2.85 from ~33 KB (2 x 16.6 KiB: 1.5) up; code a kernel jumps over takes room too; with 32
+// warps a multiprocessor the misses are hidden.
 //
 // Each body is N groups of 16 FFMA (four independent chains, 4 deep each; an FFMA is 16 bytes,
 // so a group is 256 bytes of code), with immediates that differ by kernel and group so that no
@@ -33,6 +34,10 @@
 #include "graph.cuh"
 
 constexpr int LAUNCHES = 240;  // launches per graph (a multiple of every K below)
+
+// A kernel's code, bytes: its section in the sm_90a cubin (nvcc 13.0: 640, 4736, 17024, 33408
+// and 66176 bytes for N = 0, 16, 64, 128 and 256 groups).
+constexpr int code_bytes(int n) { return 640 + 256 * n; }
 constexpr int REPS = 9;
 
 // N groups of straight-line code; with `skip` (a runtime value the compiler cannot see) the
@@ -94,28 +99,32 @@ int main() {
     CHECK(cudaMalloc(&sink, sms * sizeof(float)));
     // Code per kernel: N groups of 256 bytes (N = 0: the launch alone).
     const std::vector<std::pair<int, std::vector<Kern>>> sizes = {
-        {0, kernels<0>()}, {16, kernels<16>()}, {64, kernels<64>()}, {128, kernels<128>()}, {256, kernels<256>()},
+        {0, kernels<0>()},     {16, kernels<16>()},   {32, kernels<32>()},
+        {64, kernels<64>()},   {128, kernels<128>()}, {256, kernels<256>()},
     };
     const int counts[] = {1, 2, 3, 4, 6, 8, 12, 24};
     for (const bool pdl : {true, false}) {
         for (const int threads : {32, 128}) {
-            std::printf("== %s, %d blocks of %d threads (µs per launch; cycles per FFMA over the empty kernel)\n",
-                        pdl ? "programmatic launch" : "plain launches", sms, threads);
+            // Under programmatic launch a kernel's body overlaps the next launch's start, so the
+            // time over the empty kernel is not a cost per instruction: µs only there.
+            std::printf("== %s, %d blocks of %d threads (µs per launch%s)\n",
+                        pdl ? "programmatic launch" : "plain launches", sms, threads,
+                        pdl ? "" : "; cycles per FFMA over the empty kernel at 1.98 GHz, the H200's SM clock");
             std::printf("%-22s", "code per kernel \\ K");
             for (const int k : counts) std::printf("  K=%-12d", k);
             std::printf("\n");
             std::vector<float> base;
             for (const int k : counts) base.push_back(run(sizes[0].second, k, sms, threads, pdl, sink));
             for (const auto &[n, ks] : sizes) {
-                std::printf("%6d B (%4d FFMA)    ", n * 256, n * 16);
+                std::printf("%6d B (%4d FFMA)    ", code_bytes(n), n * 16);
                 for (size_t i = 0; i < std::size(counts); ++i) {
                     const float t = n == 0 ? base[i] : run(ks, counts[i], sms, threads, pdl, sink);
-                    if (n == 0)
+                    if (n == 0 || pdl)
                         std::printf("  %6.3f        ", t);
                     else
                         std::printf("  %6.3f (%5.2f)", t, (t - base[i]) * 1980.0f / (n * 16));
                 }
-                std::printf("   footprint %d..%d KiB\n", n / 4, n * KMAX / 4);
+                std::printf("   footprint %.1f..%.1f KiB\n", code_bytes(n) / 1024.0, code_bytes(n) * KMAX / 1024.0);
             }
         }
     }
@@ -126,12 +135,12 @@ int main() {
     std::printf("== jumped-over code, programmatic launch, %d blocks of 32 threads: N/4 groups run\n", sms);
     for (size_t s = 2; s < sizes.size(); ++s) {
         const int n = sizes[s].first;
-        std::printf("%6d B kernels running %5d B:", n * 256, n * 64);
+        std::printf("%6d B kernels running ~%5d B:", code_bytes(n), code_bytes(n / 4));
         for (const int k : {1, 3, 6}) {
             const float t = run(sizes[s].second, k, sms, 32, true, sink, 1);
             std::printf("  K=%d %6.3f", k, t);
         }
-        std::printf("   against %d B kernels:", n * 64);
+        std::printf("   against %d B kernels:", code_bytes(n / 4));
         for (size_t q = 0; q < sizes.size(); ++q) {
             if (sizes[q].first != n / 4) continue;
             for (const int k : {1, 3, 6}) std::printf("  K=%d %6.3f", k, run(sizes[q].second, k, sms, 32, true, sink));
@@ -141,7 +150,7 @@ int main() {
     for (const int threads : {256, 1024}) {
         std::printf("== programmatic launch, %d blocks of %d threads (µs per launch)\n", sms, threads);
         for (const auto &[n, ks] : sizes) {
-            std::printf("%6d B:", n * 256);
+            std::printf("%6d B:", code_bytes(n));
             for (const int k : {1, 2, 3, 6}) std::printf("  K=%d %7.3f", k, run(ks, k, sms, threads, true, sink));
             std::printf("\n");
         }

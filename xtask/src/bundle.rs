@@ -180,11 +180,20 @@ pub fn run(a: BundleArgs) -> Result<()> {
     }
     // The PyTorch peer that `scripts/gpu-session.sh` runs beside `ferrum bench`: it lives
     // beside the repository (`../shared/peers/`), not in it.
+    // Written, not copied: a copy would keep the source's read-only mode, and the next run
+    // could not replace it. An old copy goes when the peer is gone.
     let peer = root.join("../shared/peers/torch_decode.py");
-    if peer.is_file() {
-        total += fs::copy(&peer, out.join("torch_decode.py")).with_context(|| format!("copying {}", peer.display()))?;
-    } else {
-        eprintln!("gpu-bundle: {} not found: the bundle has no PyTorch peer", peer.display());
+    let dest = out.join("torch_decode.py");
+    match fs::read(&peer) {
+        Ok(text) => {
+            let _ = fs::remove_file(&dest);
+            fs::write(&dest, &text).with_context(|| format!("writing {}", dest.display()))?;
+            total += text.len() as u64;
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&dest);
+            eprintln!("gpu-bundle: {} not read ({e}): the bundle has no PyTorch peer", peer.display());
+        }
     }
     println!("gpu-bundle: {} ({:.1} MiB)", out.display(), total as f64 / (1u64 << 20) as f64);
     if total > MAX_BYTES {

@@ -445,6 +445,10 @@ pub(crate) struct Kernels {
     /// How the last decode step's attention merged its splits (for tests): `"none"` (one
     /// split), `"cluster"`, `"ticket"` or `"combine"`.
     pub(crate) last_merge: Cell<&'static str>,
+    /// `Some` while a one-token device-fed step is encoded: every GEMV launch adds its shape
+    /// (`(rows, cols, gate|up)`, as `gemv_table` keys it; see
+    /// `CudaDecodeRunner::enqueue_device_step`). `None` otherwise.
+    pub(crate) gemv_log: RefCell<Option<std::collections::BTreeSet<super::GemvKey>>>,
     /// TP decode steps over a peer group push the o / down partials from the GEMVs (see
     /// `Fusion::push`).
     pub(crate) fuse_push: bool,
@@ -723,6 +727,7 @@ impl Kernels {
             attn_head_dim_kernels,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
+            gemv_log: RefCell::new(None),
             fuse_push: fusion.push,
         })
     }
@@ -1433,6 +1438,13 @@ impl Kernels {
         Ok(())
     }
 
+    /// Adds a GEMV launch's shape to `gemv_log` while a device-fed step is encoded.
+    fn log_gemv(&self, key: super::GemvKey) {
+        if let Some(log) = self.gemv_log.borrow_mut().as_mut() {
+            log.insert(key);
+        }
+    }
+
     /// `y = W x` (batch 1) with ferrum's GEMV: W (`rows x cols`) in the dtype, x and y fp32.
     /// W must be complete before the launch and never written by a later kernel: the GEMVs
     /// read it before their programmatic-launch wait (gemv.cu, `ldg_early`).
@@ -1500,6 +1512,7 @@ impl Kernels {
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         let (v, lanes) = self.gemv_order(as_rows, cols)?;
+        self.log_gemv((as_rows, cols, false));
         let short = match (lanes, io) {
             (8, GemvIo::Plain) => Some(pick(self.dtype, Kernel::GemvL8F16, Kernel::GemvL8Bf16)),
             (8, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL8F16, Kernel::GemvNormL8Bf16)),
@@ -1562,6 +1575,7 @@ impl Kernels {
         let px = x.need(cols, "gemv x")?;
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
         let v = self.gemv_table.get(&(rows, cols, false)).copied().unwrap_or_default();
+        self.log_gemv((rows, cols, false));
         let k = if v.rows4 {
             pick(self.dtype, Kernel::Gemv4PushF16, Kernel::Gemv4PushBf16)
         } else {
@@ -1616,6 +1630,7 @@ impl Kernels {
         };
         let (r, c) = (i32_of(inter, "inter")?, i32_of(cols, "cols")?);
         let v = self.gemv_table.get(&(inter, cols, true)).copied().unwrap_or_default();
+        self.log_gemv((inter, cols, true));
         let k = match (v.rows4, norm.is_some()) {
             (false, false) => pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16),
             (true, false) => pick(self.dtype, Kernel::Gemv4GateUpF16, Kernel::Gemv4GateUpBf16),

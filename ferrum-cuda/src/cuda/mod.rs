@@ -409,6 +409,9 @@ pub struct CudaDecodeRunner {
     readback_done: Option<CudaEvent>,
     /// See [`DeviceStepKey`]'s `generation`.
     generation: u64,
+    /// The GEMV shapes the last encoded one-token device-fed step launched, and the
+    /// `generation` it was encoded under ([`GemvShape::launched`]).
+    step_gemvs: Option<(u64, std::collections::BTreeSet<GemvKey>)>,
     reducer: Box<dyn Reducer>,
     projection: Projection,
     sms: usize,
@@ -783,6 +786,7 @@ impl CudaDecodeRunner {
             readback_len: 0,
             readback_done: None,
             generation: 0,
+            step_gemvs: None,
             reducer: Box::new(NoReduce),
             projection: Projection::default(),
             sms,
@@ -1479,7 +1483,13 @@ impl CudaDecodeRunner {
         let sample = sampling.kernel_args()?;
         let (r0, rn) = self.vocab_rows();
         let screened = self.screens(sample.is_none());
-        self.forward_one(seq, (r0, rn), screened)?;
+        // The GEMV shapes this step launches, for gemv_shapes (the log is off again whatever
+        // the forward pass returns).
+        *self.k.gemv_log.borrow_mut() = Some(Default::default());
+        let encoded = self.forward_one(seq, (r0, rn), screened);
+        let log = self.k.gemv_log.borrow_mut().take();
+        encoded?;
+        self.step_gemvs = log.map(|l| (self.generation, l));
         let s = self.seqs.get(&seq).ok_or(Error::UnknownSequence(seq))?;
         let st = &self.k.stream;
         let feed = || -> Result<Feed<'_>> {
@@ -1629,26 +1639,6 @@ impl CudaDecodeRunner {
         v
     }
 
-    /// The GEMV shapes (`(rows, cols, gate|up)`, as the tuning table keys them) that a
-    /// one-token device-fed greedy step launches now: the four layer projections, the LM
-    /// head's without the screened head, the folded q/k/v's with the fold.
-    fn step_gemv_keys(&self) -> Vec<(usize, usize, bool)> {
-        let s = &self.spec;
-        let mut keys = vec![
-            (s.qkv_dim(), s.hidden, false),
-            (s.hidden, s.q_dim(), false),
-            (s.intermediate, s.hidden, true),
-            (s.hidden, s.intermediate, false),
-        ];
-        if !self.screened_head() {
-            keys.push((s.vocab, s.hidden, false));
-        }
-        if self.folded_qkv() {
-            keys.push((s.hidden + s.qkv_dim(), s.intermediate + s.hidden, false));
-        }
-        keys
-    }
-
     /// The tuned GEMV shapes of this runner's steps, in a fixed order (by rows, columns,
     /// gate|up), each with its launch variant now and the variants it may launch (indices into
     /// the variant list, `plan::GEMV_VARIANT_COUNT` of them: all of them, unless
@@ -1659,7 +1649,7 @@ impl CudaDecodeRunner {
     /// between the step's other kernels. Every shape tuned at start-up is listed, whether the
     /// step launches it now or not ([`GemvShape::launched`] says which).
     pub fn gemv_shapes(&self) -> Vec<GemvShape> {
-        let launched = self.step_gemv_keys();
+        let launched = self.step_gemvs.as_ref().filter(|(g, _)| *g == self.generation).map(|(_, l)| l);
         let mut v: Vec<_> = self
             .k
             .gemv_table
@@ -1670,7 +1660,7 @@ impl CudaDecodeRunner {
                 gateup,
                 variant: variant_index(var),
                 candidates: self.k.gemv_candidates.get(&key).cloned().unwrap_or_default(),
-                launched: launched.contains(&key),
+                launched: launched.map(|l| l.contains(&key)),
             })
             .collect();
         v.sort_by_key(|s| (s.rows, s.cols, s.gateup));
@@ -1866,12 +1856,24 @@ pub struct GemvShape {
     /// The variants [`CudaDecodeRunner::set_gemv_variant`] accepts for this shape (the one
     /// launched now among them); one only when `FERRUM_GEMV_VARIANT` forces it.
     pub candidates: Vec<usize>,
-    /// Whether a one-token device-fed greedy step launches this shape now. Not the LM head's
-    /// under the screened head ([`CudaDecodeRunner::set_screened_head`]: its exact rows take
-    /// the head variant's summation order, not its launch), nor the folded q/k/v's while the
-    /// fold is off ([`CudaDecodeRunner::set_folded_qkv`]); unless a layer's projection has the
-    /// same shape.
-    pub launched: bool,
+    /// Whether the last one-token device-fed step the runner encoded (captured or queued)
+    /// launched this shape's GEMV; `None` when no such step was encoded since the settings
+    /// last changed (anything that changes a [`DeviceStepKey`]'s generation: a variant, the
+    /// screened head, the fold, the fusions, the projection). The LM head's is not launched
+    /// under the screened head (its exact rows take the head variant's summation order, not
+    /// its launch), the folded q/k/v's only with the fold, none with [`Projection::Cublas`].
+    pub launched: Option<bool>,
+}
+
+/// A GEMV shape as the tuning table keys it: `(rows, cols, gate|up)` (the stacked gate|up
+/// counts its outputs, not its weight rows).
+pub type GemvKey = (usize, usize, bool);
+
+impl GemvShape {
+    /// The shape as the tuning table keys it.
+    pub fn key(&self) -> GemvKey {
+        (self.rows, self.cols, self.gateup)
+    }
 }
 
 /// The index of `v`'s launch shape in [`GEMV_VARIANTS`] (its split-K factor aside).
