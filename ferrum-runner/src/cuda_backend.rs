@@ -340,6 +340,9 @@ impl CudaBackend {
         let now = self.rank.runner().gemv_shapes();
         let shapes: Vec<GemvShape> =
             shapes.into_iter().filter(|s| now.iter().any(|n| n.key() == s.key() && n.launched == Some(true))).collect();
+        if shapes.is_empty() {
+            return Ok((probed, probed, Some(Vec::new()))); // nothing with a choice runs (cuBLAS, say)
+        }
         // One untimed pass over every position a window reads.
         self.rank.device_begin(SEQ, 0, TUNE_PROMPT)?;
         self.rank.device_steps(SEQ, TUNE_PROMPT + 1, end - TUNE_PROMPT, DeviceSampling::Greedy)?;
