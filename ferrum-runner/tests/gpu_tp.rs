@@ -852,14 +852,22 @@ fn gemv_variants_are_bit_identical() {
     }
 }
 
-/// A small one-GPU model of `arch` (vocab 1001) for the step tuning's tests: the backend, a
-/// 24-token prompt and the 40 greedy tokens the device chose before any tuning.
 /// Each shape's key and launch variant (what a tuning changes; `launched` depends on what was
 /// encoded since).
 fn variants(shapes: &[ferrum_cuda::GemvShape]) -> Vec<(ferrum_cuda::GemvKey, usize)> {
     shapes.iter().map(|s| (s.key(), s.variant)).collect()
 }
 
+/// Launches every shape of `shapes` that has a choice with another of its candidates.
+fn move_every_shape(b: &mut CudaBackend, shapes: &[ferrum_cuda::GemvShape]) {
+    for s in shapes.iter().filter(|s| s.candidates.len() > 1) {
+        let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
+        b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
+    }
+}
+
+/// A small one-GPU model of `arch` (vocab 1001) for the step tuning's tests: the backend, a
+/// 24-token prompt and the 40 greedy tokens the device chose before any tuning.
 fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
     let mut cfg = config(arch, false, 2);
     cfg.vocab_size = 1001;
@@ -873,8 +881,8 @@ fn tuning_model(arch: Arch, seed: u64) -> (CudaBackend, Vec<u32>, Vec<u32>) {
 /// The step-level tuning ([`ferrum_runner::step_tune`]) changes speed only: the device loop's
 /// tokens and the host loop's logits are bit-identical before and after it, every shape ends
 /// at one of its candidates, the sequence it decoded is gone, and `set_gemv_variant` refuses
-/// shapes and variants it must not launch (changing nothing). `gemv_shapes` marks the LM head's shape
-/// as not launched under the screened head (the tuning leaves it alone then).
+/// shapes and variants it must not launch (changing nothing). `gemv_shapes` marks the LM
+/// head's shape as not launched under the screened head (the tuning leaves it alone then).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn step_tuning_changes_no_result_and_refuses_bad_variants() {
@@ -1028,10 +1036,7 @@ fn a_cached_step_tuning_is_reused_and_a_bad_entry_is_tuned_again() {
         assert!(tuned.iter().any(|s| (s.rows, s.cols, s.gateup, s.variant) == (rows, cols, gateup, v)), "{entry:?}");
     }
     // Every shape moved elsewhere: Auto takes the cached variants back without tuning.
-    for s in tuned.iter().filter(|s| s.candidates.len() > 1) {
-        let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
-        b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
-    }
+    move_every_shape(&mut b, &tuned);
     assert_eq!(run(&mut b, StepTune::Auto), 0, "a cached tuning ran again");
     assert_eq!(variants(&b.runner().gemv_shapes()), variants(&tuned));
     // An entry of a step too long to tune (no variants, a 1 s step): Auto skips even the probe
@@ -1043,11 +1048,7 @@ fn a_cached_step_tuning_is_reused_and_a_bad_entry_is_tuned_again() {
         e["step_us"] = serde_json::json!(1e6);
     }
     std::fs::write(cache.path(), serde_json::to_string(&long).unwrap()).unwrap();
-    let moved: Vec<_> = tuned.iter().filter(|s| s.candidates.len() > 1).collect();
-    for s in &moved {
-        let other = *s.candidates.iter().find(|&&c| c != s.variant).unwrap();
-        b.runner().set_gemv_variant(s.rows, s.cols, s.gateup, other).unwrap();
-    }
+    move_every_shape(&mut b, &tuned);
     let moved_now = variants(&b.runner().gemv_shapes());
     assert_eq!(run(&mut b, StepTune::Auto), 0, "a cached 'too long' probed or tuned");
     assert_eq!(variants(&b.runner().gemv_shapes()), moved_now, "a cached 'too long' changed a variant");
