@@ -326,6 +326,14 @@ __device__ __forceinline__ void st_async(uint32_t addr, float v, uint32_t bar) {
                  "r"(bar)
                  : "memory");
 }
+// The same for four floats in one 16-byte store (addr 16-byte aligned). A warp-wide st.async
+// instruction costs ~26 ns at the receiving block, serialised, whatever its width
+// (scripts/microbench/attnchain.cu, session 41): fewer, wider stores are what pays.
+__device__ __forceinline__ void st_async4(uint32_t addr, float4 v, uint32_t bar) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(addr),
+                 "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(bar)
+                 : "memory");
+}
 // Step 3 in block 0: waits for the mbarrier's first phase (every expected byte landed), with
 // acquire semantics at cluster scope, so the other blocks' stores are visible after it.
 __device__ __forceinline__ void merge_bar_wait(uint64_t *bar) {
@@ -350,6 +358,7 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {}
 __device__ __forceinline__ void cluster_wait() {}
 __device__ __forceinline__ void merge_bar_init(uint64_t *, uint32_t) {}
 __device__ __forceinline__ void st_async(uint32_t, float, uint32_t) {}
+__device__ __forceinline__ void st_async4(uint32_t, float4, uint32_t) {}
 __device__ __forceinline__ void merge_bar_wait(uint64_t *) {}
 #endif
 
@@ -1652,6 +1661,235 @@ FERRUM_ATTN(bf16, bf16)
 #ifndef FERRUM_FOLD_MODULE
 FERRUM_ATTN_ROPE_HD(f16, f16, 128)
 FERRUM_ATTN_ROPE_HD(bf16, bf16, 128)
+#endif
+
+// The compact decode attention (ferrum_attn_rope_early_compact_hd64_*; plan::attn_compact):
+// the fused RoPE kernel's one-token, early-copy, cluster-merge case at head dim 64 without
+// bias or head norms (SmolLM2, Llama-3.2-1B), as a short kernel of its own. The generic
+// kernel's path for that case runs through shared memory and block barriers at every stage
+// (q and the new row, the scores, the slot partials, the block's combine) inside a 374 KB
+// kernel; this one keeps them in registers:
+// - each lane loads its own 16-byte chunk of q (and, in the slot that holds the new row, of k
+//   and v) and the chunk it pairs with under RoPE (d ^ 32), one round trip, and rotates in
+//   registers (rope_pair's operations: a' = a c - b s, b' = b c + a s);
+// - each slot's (up to ATTN_EARLY_ROWS) rows come from the early copies, scores and
+//   probabilities stay in registers, a row's 8 lanes share its score by butterfly;
+// - no block combine: each warp pushes its partial (64 sums, max, sum: 17 16-byte stores, one
+//   st.async instruction, the lanes of every row group holding the sums after the reduction)
+//   into block 0 of the cluster, which merges n_splits x 4 partials in one pass.
+// What it needs, which the host guarantees (launch.rs `attn`): one token, 128 threads (4
+// warps), the n_splits (2..=ATTN_MAX_CLUSTER) blocks of a head as one cluster along y, a split
+// of at most C64_ROWS rows (ceil(capacity / n_splits); plan::attn_warps gives the early copies
+// then), no bias or norms, and plan::attn_compact_dyn_bytes of dynamic shared memory: block
+// 0's merge buffer (n_splits x 4 partials of 68 floats) then the early copies. The kernel
+// checks the launch shape and the dynamic size and does nothing on a mismatch (the output is
+// then not written: the host never launches it so); rows of a split past C64_ROWS are not
+// read. Results differ from the generic kernel's by rounding (the sums over warps and splits
+// run in another order).
+#define C64_WARPS 4
+#define C64_SLOTS (C64_WARPS * 4)                  // row slots a block: 4 rows a warp at once
+#define C64_ROWS (C64_SLOTS * ATTN_EARLY_ROWS)     // rows a split holds: 64 (plan::ATTN_COMPACT_ROWS)
+#define C64_PART 68                                // floats a partial: 64 sums, max, sum, 2 pad
+// RoPE of one dim: x its value, p its partner's (d ^ 32), lo whether d is in the first half,
+// cs the pair's (cos, sin): rope_pair's operations (a' = a c - b s, b' = b c + a s), rounded
+// the same way, for the half this dim is.
+__device__ __forceinline__ float c64_rope(float x, float p, bool lo, float2 cs) {
+    return lo ? __fsub_rn(__fmul_rn(x, cs.x), __fmul_rn(p, cs.y)) : __fadd_rn(__fmul_rn(x, cs.x), __fmul_rn(p, cs.y));
+}
+template <typename T>
+__device__ void attn_compact_hd64(const float *qkv, T *k_cache, T *v_cache, float *out, const uint32_t *pos_base,
+                                  int heads, int kv_heads, int capacity, float scale, const float *inv_freq,
+                                  uint4 *s_dyn) {
+#if FERRUM_HAS_CLUSTER && FERRUM_HAS_PDL
+    constexpr int HD = 64, CH = HD / 8, ER = ATTN_EARLY_ROWS;
+    __shared__ float2 s_cs[HD / 2];               // RoPE's (cos, sin) of pair i
+    __shared__ uint64_t s_mbar;                   // block 0: the partials' arrival
+    __shared__ float s_w[ATTN_MAX_CLUSTER * C64_WARPS];
+    const int h = blockIdx.x, split = blockIdx.y, n_splits = gridDim.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int gl = lane & 7, sub = lane >> 3, slot = warp * 4 + sub;  // chunk of the row, row of the warp
+    const int n_parts = n_splits * C64_WARPS;
+    uint32_t dyn_bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
+    const uint32_t mrg_bytes = (uint32_t)n_parts * C64_PART * 4u;  // a multiple of 16
+    // Uniform over the launch: every block returns here, or none does (before any cluster step).
+    if (blockDim.x != C64_WARPS * 32 || gridDim.z != 1 || n_splits < 2 || cluster_blocks() != (uint32_t)n_splits ||
+        dyn_bytes < mrg_bytes + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4))
+        return;
+    float *s_mrg = reinterpret_cast<float *>(s_dyn);
+    uint4 *s_early = s_dyn + mrg_bytes / 16;
+    const uint32_t rank = cluster_rank();
+    if (rank == 0 && tid == 0) merge_bar_init(&s_mbar, mrg_bytes);
+    cluster_arrive_relaxed();  // step 1 of the cluster merge (see above attn_impl)
+    // Before the wait, as attn_impl's ROPE path (the argument for reading these there is
+    // attn_impl's): the position, the angles, the split's cache rows.
+    const float inv_f = tid < HD / 2 ? ld_early_f(inv_freq + tid) : 0.0f;
+    const uint32_t pos = ld_early(pos_base);
+    const int len = (int)min(pos + 1u, (uint32_t)capacity);
+    const int chunk = (len + n_splits - 1) / n_splits;
+    const int start = split * chunk, end = min(min(start + chunk, len), start + C64_ROWS);
+    const int kvh = h / (heads / kv_heads);
+    const uint4 *kb = reinterpret_cast<const uint4 *>(k_cache + (size_t)kvh * capacity * HD) + gl;
+    const uint4 *vb = reinterpret_cast<const uint4 *>(v_cache + (size_t)kvh * capacity * HD) + gl;
+#pragma unroll
+    for (int u = 0; u < ER; ++u) {
+        const int t = start + slot + u * C64_SLOTS;
+        if (t < end && t != (int)pos) {
+            cp_early16(s_early + u * blockDim.x + tid, kb + (size_t)t * CH);
+            cp_early16(s_early + (ER + u) * blockDim.x + tid, vb + (size_t)t * CH);
+        }
+    }
+    if (tid < HD / 2) {
+        float c, sn;
+        rope_angle(pos, inv_f, c, sn);
+        s_cs[tid] = make_float2(c, sn);
+    }
+    __syncthreads();  // s_cs
+    FERRUM_PDL_ENTRY();  // the qkv row comes from the QKV projection
+    // This lane's dims d0 .. d0 + 7 and their RoPE partners p0 .. p0 + 7 (HF's half split).
+    const int d0 = gl * 8, p0 = d0 ^ (HD / 2);
+    const bool lo = d0 < HD / 2;
+    const float4 *row4 = reinterpret_cast<const float4 *>(qkv);
+    const int qo = h * HD / 4;
+    const float4 qa0 = row4[qo + d0 / 4], qa1 = row4[qo + d0 / 4 + 1];
+    const float4 qp0 = row4[qo + p0 / 4], qp1 = row4[qo + p0 / 4 + 1];
+    // The new row: in this split (pos < end <= capacity), in this lane's slot, at step u_new.
+    const bool has_new = (int)pos >= start && (int)pos < end;
+    const int rel = (int)pos - start;
+    const bool mine_new = has_new && rel % C64_SLOTS == slot;
+    const int u_new = mine_new ? rel / C64_SLOTS : -1;
+    float4 ka0 = {}, ka1 = {}, kp0 = {}, kp1 = {}, va0 = {}, va1 = {};
+    if (mine_new) {
+        const int ko = (heads + kvh) * HD / 4, vo = (heads + kv_heads + kvh) * HD / 4;
+        ka0 = row4[ko + d0 / 4], ka1 = row4[ko + d0 / 4 + 1];
+        kp0 = row4[ko + p0 / 4], kp1 = row4[ko + p0 / 4 + 1];
+        va0 = row4[vo + d0 / 4], va1 = row4[vo + d0 / 4 + 1];
+    }
+    const float qa[8] = {qa0.x, qa0.y, qa0.z, qa0.w, qa1.x, qa1.y, qa1.z, qa1.w};
+    const float qp[8] = {qp0.x, qp0.y, qp0.z, qp0.w, qp1.x, qp1.y, qp1.z, qp1.w};
+    // Rotated and scaled q (rope_pair's operations, then the scale, as rope_head).
+    float qv[8], nk[8], nv[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) qv[j] = __fmul_rn(c64_rope(qa[j], qp[j], lo, s_cs[(d0 + j) & (HD / 2 - 1)]), scale);
+    if (mine_new) {
+        const float ka[8] = {ka0.x, ka0.y, ka0.z, ka0.w, ka1.x, ka1.y, ka1.z, ka1.w};
+        const float kp[8] = {kp0.x, kp0.y, kp0.z, kp0.w, kp1.x, kp1.y, kp1.z, kp1.w};
+        const float va[8] = {va0.x, va0.y, va0.z, va0.w, va1.x, va1.y, va1.z, va1.w};
+        __align__(16) T kt[8];
+        __align__(16) T vt[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            kt[j] = from_f<T>(c64_rope(ka[j], kp[j], lo, s_cs[(d0 + j) & (HD / 2 - 1)])), vt[j] = from_f<T>(va[j]);
+            nk[j] = to_f(kt[j]), nv[j] = to_f(vt[j]);  // the cache's rounding, as the walk reads rows
+        }
+        // The first q head of the KV group appends the row (cache row [kvh][pos], pos <
+        // capacity: has_new). No block of the launch reads that row from the cache.
+        if (h % (heads / kv_heads) == 0) {
+            const size_t at = ((size_t)kvh * capacity + pos) * HD + d0;
+            *reinterpret_cast<uint4 *>(k_cache + at) = *reinterpret_cast<const uint4 *>(kt);
+            *reinterpret_cast<uint4 *>(v_cache + at) = *reinterpret_cast<const uint4 *>(vt);
+        }
+    }
+    cp_early_wait();  // this thread's own copies (it reads back only those)
+    // Scores of this slot's rows, in registers; each row's 8 lanes end with its score.
+    float sc[ER];
+    float mt = FERRUM_NEG_INF;
+#pragma unroll
+    for (int u = 0; u < ER; ++u) {
+        const int t = start + slot + u * C64_SLOTS;
+        float kf[8];
+        if (u == u_new) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) kf[j] = nk[j];
+        } else {
+            unpack8(s_early[u * blockDim.x + tid], kf, T());
+        }
+        float s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s = fmaf(qv[j], kf[j], s);
+#pragma unroll
+        for (int o = 4; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        sc[u] = t < end ? s : FERRUM_NEG_INF;  // slots past the split hold stale shared memory
+        mt = fmaxf(mt, sc[u]);
+    }
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 8));  // the warp's max over its 4 row groups
+    mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 16));
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f}, ls = 0.0f;
+#pragma unroll
+    for (int u = 0; u < ER; ++u) {
+        // Only the split's rows: a slot past it holds stale shared memory (whatever the SM's
+        // last kernel left there, NaN or infinity included), and p = 0 would not cancel it
+        // (0 x NaN is NaN), so its values are never read.
+        if (start + slot + u * C64_SLOTS >= end) continue;
+        const float p = expf(sc[u] - mt);  // mt is finite: this row's score is in it
+        ls += p;
+        float vf[8];
+        if (u == u_new) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) vf[j] = nv[j];
+        } else {
+            unpack8(s_early[(ER + u) * blockDim.x + tid], vf, T());
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = fmaf(p, vf[j], acc[j]);
+    }
+    // The warp's partial: its 4 row groups summed (every row group then holds the sums).
+    ls += __shfl_xor_sync(0xffffffffu, ls, 16);
+    ls += __shfl_xor_sync(0xffffffffu, ls, 8);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 16);
+        acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], 8);
+    }
+    // Step 2: every block of the cluster started (block 0's mbarrier initialised). Step 3:
+    // partial (split, warp) into block 0's buffer in one instruction: lanes 0-7 the first
+    // four sums of their chunk, lanes 8-15 the last four, lane 16 (max, sum).
+    cluster_wait();
+    const uint32_t mrg0 = cluster_map(s_mrg, 0), bar0 = cluster_map(&s_mbar, 0);
+    const uint32_t part = (uint32_t)(split * C64_WARPS + warp) * C64_PART;
+    const float4 v = lane < 8    ? make_float4(acc[0], acc[1], acc[2], acc[3])
+                     : lane < 16 ? make_float4(acc[4], acc[5], acc[6], acc[7])
+                                 : make_float4(mt, ls, 0.0f, 0.0f);
+    const uint32_t at = lane < 16 ? (uint32_t)(d0 + 4 * sub) : (uint32_t)HD;
+    if (lane < 17) st_async4(mrg0 + 4u * (part + at), v, bar0);
+    if (rank != 0) return;  // block 0 lives until its own reads are done
+    merge_bar_wait(&s_mbar);
+    // Step 4 (block 0): the partials' weights exp(m_p - M) once each, then every column.
+    float M = FERRUM_NEG_INF;
+    for (int p = 0; p < n_parts; ++p) M = fmaxf(M, s_mrg[p * C64_PART + HD]);
+    if (tid < n_parts) {
+        const float mp = s_mrg[tid * C64_PART + HD];
+        s_w[tid] = mp == FERRUM_NEG_INF ? 0.0f : expf(mp - M);
+    }
+    __syncthreads();
+    if (tid < HD) {
+        float A = 0.0f, L = 0.0f;
+        for (int p = 0; p < n_parts; ++p) {
+            const float w = s_w[p];
+            A = fmaf(s_mrg[p * C64_PART + tid], w, A);
+            L = fmaf(s_mrg[p * C64_PART + HD + 1], w, L);
+        }
+        out[h * HD + tid] = L > 0.0f ? A / L : 0.0f;
+    }
+#endif
+}
+// NAME ferrum_attn_rope_early_compact_hd64_S: the generic fused kernel's signature (the
+// arguments it does not use are named in comments), so the host's launch is the same.
+#define FERRUM_ATTN_COMPACT_KERNEL(S, T)                                                           \
+    extern "C" __global__ void __launch_bounds__(C64_WARPS * 32, 1) ferrum_attn_rope_early_compact_hd64_##S( \
+        const float *qkv, int /* q_stride */, T *k_cache, T *v_cache, float *out,                 \
+        float * /* part_acc */, float * /* part_ml */, uint32_t * /* counters */,                  \
+        const uint32_t *pos_base, int heads, int kv_heads, int /* hd == 64 */, int capacity,       \
+        float scale, const T * /* bias */, const T * /* q_norm */, const T * /* k_norm */,         \
+        const float *inv_freq, float /* eps */) {                                                  \
+        extern __shared__ uint4 s_dyn[];                                                           \
+        attn_compact_hd64<T>(qkv, k_cache, v_cache, out, pos_base, heads, kv_heads, capacity,      \
+                             scale, inv_freq, s_dyn);                                              \
+    }
+
+#ifndef FERRUM_FOLD_MODULE
+FERRUM_ATTN_COMPACT_KERNEL(f16, f16)
+FERRUM_ATTN_COMPACT_KERNEL(bf16, bf16)
 #endif
 
 // The fused decode attention of the folded q/k/v projection (RopeArgs::pre_x; opt-in:

@@ -549,3 +549,19 @@ __device__ void init_uniform(T *out, int rows, int cols, long long full_cols, lo
 
 FERRUM_INIT(f16, f16)
 FERRUM_INIT(bf16, bf16)
+
+// Fills the block's dynamic shared memory with all-ones bytes: NaN as f32, f16 and bf16. The GPU
+// does not clear shared memory between the kernels of a context, so the next kernels on these
+// multiprocessors start on it: a test launches this over every multiprocessor, with the whole
+// opt-in shared memory a block, to check that a kernel never computes with shared memory it did
+// not write (CudaDecodeRunner::poison_shared_memory; for tests only). Inline-assembly stores, so
+// the compiler cannot drop them as dead (nothing in the kernel reads them back).
+extern "C" __global__ void ferrum_poison_shared(void) {
+    FERRUM_PDL_ENTRY();
+    extern __shared__ uint4 s_poison[];
+    uint32_t bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(s_poison);
+    for (uint32_t i = threadIdx.x * 16u; i + 16u <= bytes; i += blockDim.x * 16u)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(base + i), "r"(0xffffffffu) : "memory");
+}

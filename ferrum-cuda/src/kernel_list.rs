@@ -78,6 +78,11 @@ kernels! {
     AttnRopeHd128Bf16 => "ferrum_attn_rope_hd128_bf16" in "attention",
     AttnRopeEarlyHd128F16 => "ferrum_attn_rope_early_hd128_f16" in "attention",
     AttnRopeEarlyHd128Bf16 => "ferrum_attn_rope_early_hd128_bf16" in "attention",
+    /// The compact fused decode attention (`plan::attn_compact`): one token, head dim 64, no
+    /// bias or head norms, every split's rows in the early copies, the cluster merge; same
+    /// signature as `AttnRopeEarly*`.
+    AttnRopeEarlyCompactHd64F16 => "ferrum_attn_rope_early_compact_hd64_f16" in "attention",
+    AttnRopeEarlyCompactHd64Bf16 => "ferrum_attn_rope_early_compact_hd64_bf16" in "attention",
     /// The fused decode attention of the folded q/k/v projection (`plan::FOLD_HEAD_DIMS`).
     AttnRopeFoldHd64F16 => "ferrum_attn_rope_fold_hd64_f16" in "fold",
     AttnRopeFoldHd64Bf16 => "ferrum_attn_rope_fold_hd64_bf16" in "fold",
@@ -174,6 +179,9 @@ kernels! {
     /// Hash-based uniform init (synthetic weights).
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",
+    /// Fills its blocks' dynamic shared memory with all-ones bytes (NaN in every float type),
+    /// so tests can check that no kernel computes with shared memory it did not write.
+    PoisonShared => "ferrum_poison_shared" in "misc",
 }
 
 /// The PTX modules (`ferrum-cuda/ptx/<name>.ptx`, built from `kernels/<name>.cu`).

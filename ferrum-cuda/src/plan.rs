@@ -424,6 +424,52 @@ pub fn attn_head_dim_kernels(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_ATTN_HD_KERNELS", value, 0, 1)?.is_none_or(|v| v == 1))
 }
 
+/// `FERRUM_ATTN_COMPACT` (`None` when unset: on): whether the fused decode attention's case
+/// of [`attn_compact_fits`] runs the compact kernel (attention.cu's `attn_compact_hd64`:
+/// registers instead of shared memory and block barriers, each warp's partial pushed to the
+/// cluster's first block in one instruction), 0 or 1. On by default: on one H200 (session 42,
+/// docs/PERF.md) the graphed decode step is faster with it, SmolLM2-135M 2880–2884 tok/s
+/// against 2657–2664, Llama-3.2-1B 1475–1476 against 1429–1433 (7.1 against 8.4 µs a launch in
+/// the eager step profile at 1B).
+pub fn attn_compact(value: Option<&str>) -> crate::Result<bool> {
+    Ok(knob("FERRUM_ATTN_COMPACT", value, 0, 1)?.is_none_or(|v| v == 1))
+}
+
+/// Rows of one split the compact decode attention holds (attention.cu's `C64_ROWS`: 16 row
+/// slots of [`ATTN_EARLY_ROWS`] early rows).
+pub const ATTN_COMPACT_ROWS: usize = 16 * ATTN_EARLY_ROWS;
+
+/// Floats of one warp's partial in the compact attention's merge buffer (`C64_PART`).
+const ATTN_COMPACT_PART: usize = 68;
+
+/// Whether a decode attention launch is the compact kernel's case: one token, head dim 64,
+/// the 4 warps with early copies that [`attn_warps`] gives, the splits of a head as one
+/// cluster, and at most [`ATTN_COMPACT_ROWS`] rows a split at any position
+/// (`ceil(capacity / n_splits)`). Bias, norms and the fold are the caller's to exclude.
+pub fn attn_compact_fits(
+    head_dim: usize,
+    n_tok: usize,
+    warps: u32,
+    early: bool,
+    cluster: bool,
+    n_splits: usize,
+    capacity: usize,
+) -> bool {
+    head_dim == 64
+        && n_tok == 1
+        && warps == 4
+        && early
+        && cluster
+        && (2..=ATTN_MAX_CLUSTER).contains(&n_splits)
+        && capacity.div_ceil(n_splits) <= ATTN_COMPACT_ROWS
+}
+
+/// Dynamic shared memory of a compact decode attention launch: block 0's merge buffer
+/// (`n_splits` x 4 warps' partials) and the early copies of 4 warps.
+pub fn attn_compact_dyn_bytes(n_splits: usize) -> u32 {
+    (n_splits * 4 * ATTN_COMPACT_PART * 4) as u32 + 2 * ATTN_EARLY_ROWS as u32 * 4 * 32 * 16
+}
+
 /// `FERRUM_ATTN_O` (`None` when unset: off): whether one-GPU decode steps do the o projection
 /// inside the decode attention where it applies ([`attn_o_fits`], the cluster merge), 0 or 1.
 /// Off by default: measured slower (SmolLM2-135M on one H200, session 28: 2232–2238 tok/s
@@ -771,6 +817,32 @@ mod tests {
     }
 
     #[test]
+    fn compact_attention_case_and_shared_memory() {
+        // The bench's cache (384 rows, 6 splits: 64 rows each) fits; one row more does not.
+        assert!(attn_compact_fits(64, 1, 4, true, true, 6, 384));
+        assert!(!attn_compact_fits(64, 1, 4, true, true, 6, 385));
+        assert!(!attn_compact_fits(128, 1, 4, true, true, 6, 384));
+        assert!(!attn_compact_fits(64, 2, 4, true, true, 6, 384));
+        assert!(!attn_compact_fits(64, 1, 8, true, true, 6, 384));
+        assert!(!attn_compact_fits(64, 1, 4, false, true, 6, 384));
+        assert!(!attn_compact_fits(64, 1, 4, true, false, 6, 384));
+        assert!(!attn_compact_fits(64, 1, 4, true, true, 1, 32));
+        assert!(!attn_compact_fits(64, 1, 4, true, true, 9, 384));
+        for n_splits in 2..=ATTN_MAX_CLUSTER {
+            for capacity in [1, 63, 64, 65, 128, 384, 512, 513] {
+                if attn_compact_fits(64, 1, 4, true, true, n_splits, capacity) {
+                    // Whenever it fits, the host's plan gives 4 warps with early copies.
+                    assert_eq!(attn_warps(64, capacity.div_ceil(n_splits)), (4, true), "{n_splits} {capacity}");
+                }
+            }
+            // Within what the kernels are allowed at load, and 16-byte aligned.
+            assert!(attn_compact_dyn_bytes(n_splits) <= attn_max_dyn_bytes());
+            assert_eq!(attn_compact_dyn_bytes(n_splits) % 16, 0);
+        }
+        assert_eq!(attn_compact_dyn_bytes(6), 6 * 4 * 68 * 4 + 16384);
+    }
+
+    #[test]
     fn cluster_merge_needs_sm90_and_at_most_eight_splits() {
         assert!(attn_cluster(6, true));
         assert!(attn_cluster(2, true) && attn_cluster(ATTN_MAX_CLUSTER, true));
@@ -918,6 +990,10 @@ mod tests {
     #[test]
     fn head_dim_kernels_knob_and_source() {
         assert!(attn_head_dim_kernels(None).unwrap());
+        assert!(attn_compact(None).unwrap());
+        assert!(attn_compact(Some("1")).unwrap());
+        assert!(!attn_compact(Some("0")).unwrap());
+        assert!(attn_compact(Some("x")).unwrap_err().to_string().contains("FERRUM_ATTN_COMPACT"));
         assert!(attn_head_dim_kernels(Some("1")).unwrap());
         assert!(!attn_head_dim_kernels(Some("0")).unwrap());
         for bad in ["2", "-1", "", "on"] {

@@ -1245,6 +1245,69 @@ fn fusions_match_the_unfused_step() {
     }
 }
 
+/// The compact decode attention (`set_attn_compact`: head dim 64 without bias or norms, the
+/// cluster merge, at most `plan::ATTN_COMPACT_ROWS` rows a split; here a 384-row cache in 6
+/// splits, the bench's case), every step on shared memory filled with NaN first
+/// (`poison_shared_memory`: session 41's kernel read its stale row slots and made the graphed
+/// bench's logits NaN): eager host-fed logits within 1e-3 of the generic kernel's fed the same
+/// tokens (the same math in another f32 summation order, through the bf16 K/V cache); graphed
+/// device-fed steps bit-identical to the eager host-fed ones with the same kernel; and the
+/// compact kernel really ran, once a layer (with programmatic launch: the sm_90 PTX).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn compact_attention_matches_the_generic_kernel_and_graphs_match_eager() {
+    init();
+    const CAP: usize = 384;
+    const SPLITS: usize = 6;
+    const STEPS: usize = 24;
+    for arch in [Arch::Llama, Arch::Mistral] {
+        let cfg = config(arch, false, 2);
+        let w = weights(&cfg, 71);
+        let p = prompt(127, cfg.vocab_size, 5);
+        // Eager host-fed steps (each fed `feed[i]`, or without `feed` the last argmax) and the
+        // compact launches of one more profiled step, or `None` without programmatic launch.
+        let eager = |compact: bool, feed: Option<&[u32]>| {
+            let mut b = tp1(&w);
+            b.runner().set_attn_compact(compact);
+            let mut out = vec![b.prefill(&p, CAP).unwrap()];
+            b.runner().set_attention_splits(0, SPLITS).unwrap();
+            for i in 0..STEPS {
+                let next = feed.map_or_else(|| argmax(out.last().unwrap()), |f| f[i]);
+                b.runner().poison_shared_memory().unwrap();
+                out.push(b.step(next).unwrap());
+            }
+            let prof = b.profile_step(argmax(out.last().unwrap())).unwrap().expect("a CUDA backend profiles");
+            let n = prof.iter().filter(|(n, _)| n.contains("_compact_")).count();
+            (out, b.runner().programmatic_launch().then_some(n))
+        };
+        let (generic, none) = eager(false, None);
+        let fed: Vec<u32> = generic[..STEPS].iter().map(|l| argmax(l)).collect();
+        let (compact, launches) = eager(true, Some(&fed));
+        assert_eq!(none.unwrap_or(0), 0, "{arch:?}: compact launches with the generic kernel chosen");
+        if let Some(n) = launches {
+            assert_eq!(n, cfg.num_layers, "{arch:?}: compact launches a step");
+        }
+        let worst = compact[1..].iter().zip(&generic[1..]).map(|(a, b)| rel_err(a, b)).fold(0.0, f64::max);
+        println!("{arch:?}: compact vs generic decode attention worst rel err {worst:.2e} over {STEPS} steps");
+        assert!(worst <= 1e-3, "{arch:?}: compact attention: {worst:.3e}");
+        // Graphed device-fed steps against the eager steps that chose their own tokens.
+        let (own, _) = eager(true, None);
+        let mut g = tp1(&w);
+        g.runner().set_attn_compact(true);
+        let l = g.prefill(&p, CAP).unwrap();
+        g.runner().set_attention_splits(0, SPLITS).unwrap();
+        g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
+        for (i, want) in own[1..].iter().enumerate() {
+            g.runner().poison_shared_memory().unwrap();
+            let got = g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+            let mut l = Vec::new();
+            g.runner().logits_to_host(&mut l).unwrap();
+            assert_eq!(bits(&l), bits(want), "{arch:?}: graphed compact step {i} logits");
+            assert_eq!(got, vec![argmax(want)], "{arch:?}: graphed compact step {i} token");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {

@@ -333,6 +333,8 @@ fn is_decode_attention(k: Kernel) -> bool {
             | AttnRopeHd128Bf16
             | AttnRopeEarlyHd128F16
             | AttnRopeEarlyHd128Bf16
+            | AttnRopeEarlyCompactHd64F16
+            | AttnRopeEarlyCompactHd64Bf16
             | AttnRopeFoldHd64F16
             | AttnRopeFoldHd64Bf16
             | AttnRopeEarlyFoldHd64F16
@@ -438,6 +440,13 @@ pub(crate) struct Kernels {
     /// The fused decode attention runs its own kernel for the head dims of
     /// `plan::ATTN_OWN_HEAD_DIMS` (`FERRUM_ATTN_HD_KERNELS`, default on; bit-identical).
     pub(crate) attn_head_dim_kernels: bool,
+    /// The fused decode attention's one-token early-copy cluster case at head dim 64 without
+    /// bias or norms runs the compact kernel (`FERRUM_ATTN_COMPACT`, default on:
+    /// `plan::attn_compact`).
+    pub(crate) attn_compact: bool,
+    /// The GPU's opt-in shared memory a block (`cuFuncSetAttribute`'s limit; the poison
+    /// kernel's size).
+    pub(crate) smem_optin: u32,
     /// `Some` while a step is profiled: every launch appends its kernel and an event recorded
     /// after it (see `CudaDecodeRunner::profile_decode_step`). `None` otherwise (no cost but
     /// one borrow check per launch).
@@ -612,6 +621,7 @@ impl Kernels {
         let attn_o_smem_max = crate::plan::attn_o_smem_max(u32::try_from(optin).unwrap_or(0));
         let fuse_o = crate::plan::attn_o(env("FERRUM_ATTN_O")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
+        let attn_compact = crate::plan::attn_compact(env("FERRUM_ATTN_COMPACT")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -647,6 +657,15 @@ impl Kernels {
                 let max = crate::plan::attn_max_dyn_bytes() as i32;
                 f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max)
                     .map_err(Error::driver("attention shared memory size"))?;
+            }
+            if *k == Kernel::PoisonShared {
+                // A block takes the whole opt-in shared memory (one block a multiprocessor),
+                // with the largest shared-memory carveout, so it covers every byte a later
+                // kernel's block can be given.
+                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin)
+                    .map_err(Error::driver("poison kernel shared memory size"))?;
+                f.set_attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
+                    .map_err(Error::driver("poison kernel carveout"))?;
             }
             if matches!(k, Kernel::AttnGqaF16 | Kernel::AttnGqaBf16) {
                 // Its K/V stages are dynamic shared memory, past 48 KiB from three stages on
@@ -689,6 +708,7 @@ impl Kernels {
             attn_tc_stages,
             attn_tc_early,
             attn_head_dim_kernels,
+            attn_compact,
             ?carveout,
             ?attn_tc_carveout,
             "kernels loaded"
@@ -725,6 +745,8 @@ impl Kernels {
             attn_o_smem_max,
             fuse_o,
             attn_head_dim_kernels,
+            attn_compact,
+            smem_optin: u32::try_from(optin).unwrap_or(0),
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
             gemv_log: RefCell::new(None),
@@ -1108,7 +1130,17 @@ impl Kernels {
             }
         };
         let early = rope.as_ref().is_some_and(|r| r.early);
-        let dyn_bytes = crate::plan::attn_dyn_bytes(warps, early, cluster, n_splits, head_dim);
+        // The compact kernel (attention.cu's attn_compact_hd64): its case exactly, checked
+        // here in full, since the kernel has no other path.
+        let compact = self.attn_compact
+            && o.is_none()
+            && rope_args.as_ref().is_some_and(|r| r.0 == 0 && r.1 == 0 && r.2 == 0 && r.6 == 0)
+            && crate::plan::attn_compact_fits(head_dim, n_tok, warps, early, cluster, n_splits, capacity);
+        let dyn_bytes = if compact {
+            crate::plan::attn_compact_dyn_bytes(n_splits)
+        } else {
+            crate::plan::attn_dyn_bytes(warps, early, cluster, n_splits, head_dim)
+        };
         let o_args = match &o {
             None => None,
             Some(o) => {
@@ -1155,6 +1187,7 @@ impl Kernels {
             )));
         }
         let kernel = match (rope_args.is_some(), early, own) {
+            _ if compact => pick(self.dtype, Kernel::AttnRopeEarlyCompactHd64F16, Kernel::AttnRopeEarlyCompactHd64Bf16),
             (true, true, _) if fold && head_dim == 64 => {
                 pick(self.dtype, Kernel::AttnRopeEarlyFoldHd64F16, Kernel::AttnRopeEarlyFoldHd64Bf16)
             }
@@ -1238,7 +1271,13 @@ impl Kernels {
         // `pre` (the folded q/k/v: the `_fold_hd64` / `_fold_hd128` kernels, launched for those
         // head dims only and never with `o`, checked above; same signature as the rope kernels
         // plus (const f32*, int) after eps), every block reads pre[0 .. pre_n), pre_n being
-        // the region's own length, at least 1 (checked above).
+        // the region's own length, at least 1 (checked above). The compact kernel (`compact`:
+        // the `_early` signature; one token, head dim 64, 4 warps, the cluster, no bias, norms
+        // or fold, splits of at most plan::ATTN_COMPACT_ROWS rows, all checked above) reads the
+        // raw row, pos[0], inv_freq and cache rows [kvh][split's rows] below min(pos + 1,
+        // capacity), writes cache row [kvh][pos] (pos < capacity only) and out[h*64 .. +64),
+        // and its merge buffer and early copies fill attn_compact_dyn_bytes (within
+        // attn_max_dyn_bytes; the kernel checks %dynamic_smem_size and the launch shape).
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
@@ -1937,6 +1976,21 @@ impl Kernels {
         // out[0] (extents checked above), with a null step buffer (no device-fed update).
         unsafe { b.launch(cfg((1, 1, 1), 2048)) }.map_err(Error::driver("injected launch (expected to fail)"))?;
         Err(Error::Internal("a launch of 2048 threads per block was accepted".into()))
+    }
+
+    /// Launches `ferrum_poison_shared` over `2 * sms` blocks of the whole opt-in shared memory
+    /// (at most one a multiprocessor, so every multiprocessor runs one): every byte of shared
+    /// memory the next kernels' blocks are given starts as all-ones (NaN), for tests that
+    /// check no kernel computes with shared memory it did not write.
+    pub(crate) fn poison_shared(&self, sms: usize) -> Result<()> {
+        let blocks = u32::try_from(2 * sms.max(1)).map_err(|_| Error::Internal(format!("{sms} multiprocessors")))?;
+        let mut c = cfg((blocks, 1, 1), 256);
+        c.shared_mem_bytes = self.smem_optin;
+        let mut b = self.builder(Kernel::PoisonShared);
+        // SAFETY: the kernel takes no arguments (none given) and writes only its own block's
+        // dynamic shared memory, within the size it is launched with, which is the maximum
+        // set on the function at load (`smem_optin`).
+        unsafe { b.launch(c) }.map_err(Error::driver("poisoning shared memory"))
     }
 
     /// Fills `out` (`rows x cols`, row-major) with the slice at `(row0, col0)` of a random

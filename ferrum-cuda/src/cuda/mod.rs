@@ -1775,6 +1775,25 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Whether the fused decode attention's one-token early-copy cluster case at head dim 64
+    /// without bias or norms runs the compact kernel (as `FERRUM_ATTN_COMPACT` would at
+    /// start-up; default on, `plan::attn_compact`). The same math with other f32 rounding (the
+    /// sums over warps and splits in another order). For tests and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_attn_compact(&mut self, on: bool) {
+        self.k.attn_compact = on;
+        self.generation += 1;
+    }
+
+    /// Enqueues a kernel on the runner's stream that leaves every byte of every
+    /// multiprocessor's shared memory all-ones (NaN as f32, f16 and bf16); the GPU does not
+    /// clear shared memory between kernels, so the next kernels' blocks start on it. For tests
+    /// that check no kernel computes with shared memory it did not write.
+    #[doc(hidden)]
+    pub fn poison_shared_memory(&self) -> Result<()> {
+        self.k.poison_shared(self.sms)
+    }
+
     /// Sets the tensor-core decode attention's shared-memory stages (as `FERRUM_ATTN_TC_STAGES`
     /// would at start-up, 2..=`plan::ATTN_TC_MAX_STAGES`) and whether it issues tiles before the
     /// programmatic-launch wait (`FERRUM_ATTN_TC_EARLY`). Bit-identical for every setting (the
