@@ -283,7 +283,10 @@ __device__ void merge_splits(float *out, const float *part_acc, const float *par
 //    block's bytes have landed and are visible to it;
 // 4. block 0 merges from its own shared memory.
 // Every thread arrives at and waits on the one cluster barrier phase before any returns, so
-// that phase completes; block 0 lives until its own reads are done. (Before session 26 step 3
+// that phase completes; block 0 lives until its own reads are done. The compact kernel
+// (attn_compact_hd64) runs the same steps with another merge buffer: every warp of every block,
+// block 0's own included, pushes its partial with st.async (n_splits x 4 partials of C64_PART
+// floats, all of them counted by block 0's mbarrier), and block 0 merges them in step 4. (Before session 26 step 3
 // was a second cluster barrier phase, release and acquire, that every block waited on: the
 // kernel timeline's phase stamps put 0.78 µs of a 135M layer's attention there.)
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
@@ -1713,8 +1716,10 @@ __device__ void attn_compact_hd64(const float *qkv, T *k_cache, T *v_cache, floa
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_bytes));
     const uint32_t mrg_bytes = (uint32_t)n_parts * C64_PART * 4u;  // a multiple of 16
     // Uniform over the launch: every block returns here, or none does (before any cluster step).
-    if (blockDim.x != C64_WARPS * 32 || gridDim.z != 1 || n_splits < 2 || cluster_blocks() != (uint32_t)n_splits ||
-        dyn_bytes < mrg_bytes + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4))
+    // (n_splits <= ATTN_MAX_CLUSTER: s_w holds that many splits' weights, and n_parts <= 32
+    // threads compute them.)
+    if (blockDim.x != C64_WARPS * 32 || gridDim.z != 1 || n_splits < 2 || n_splits > ATTN_MAX_CLUSTER ||
+        cluster_blocks() != (uint32_t)n_splits || dyn_bytes < mrg_bytes + 2u * ER * blockDim.x * (uint32_t)sizeof(uint4))
         return;
     float *s_mrg = reinterpret_cast<float *>(s_dyn);
     uint4 *s_early = s_dyn + mrg_bytes / 16;
@@ -1801,15 +1806,18 @@ __device__ void attn_compact_hd64(const float *qkv, T *k_cache, T *v_cache, floa
         if (u == u_new) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) kf[j] = nk[j];
-        } else {
+        } else if (t < end) {
             unpack8(s_early[u * blockDim.x + tid], kf, T());
+        } else {  // a slot past the split: its shared memory is stale, never read
+#pragma unroll
+            for (int j = 0; j < 8; ++j) kf[j] = 0.0f;
         }
         float s = 0.0f;
 #pragma unroll
         for (int j = 0; j < 8; ++j) s = fmaf(qv[j], kf[j], s);
 #pragma unroll
         for (int o = 4; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-        sc[u] = t < end ? s : FERRUM_NEG_INF;  // slots past the split hold stale shared memory
+        sc[u] = t < end ? s : FERRUM_NEG_INF;  // a slot past the split takes no weight
         mt = fmaxf(mt, sc[u]);
     }
     mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, 8));  // the warp's max over its 4 row groups

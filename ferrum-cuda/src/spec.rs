@@ -402,11 +402,14 @@ pub struct Fusion {
     /// Residual adds and RMSNorms inside the projections (one GPU, hidden <= 4096 only: the
     /// same math with other f32 rounding).
     pub norms: bool,
-    /// RoPE and the K/V append inside the decode attention kernel (bit-identical).
+    /// RoPE and the K/V append inside the decode attention kernel (bit-identical, except
+    /// where the compact kernel takes the case: other rounding; `FERRUM_ATTN_COMPACT=0`
+    /// restores it).
     pub rope: bool,
     /// With `split_merge`, on sm_90 and for at most `plan::ATTN_MAX_CLUSTER` splits: the split
     /// blocks of each head run as one thread-block cluster and merge through distributed shared
-    /// memory instead of global memory, a fence and a ticket (bit-identical).
+    /// memory instead of global memory, a fence and a ticket (bit-identical, except where the
+    /// compact kernel takes the case: other rounding; `FERRUM_ATTN_COMPACT=0` restores it).
     pub cluster: bool,
     /// Tensor parallelism over a peer group, one decode token: the o and down GEMVs push their
     /// partials' lines to the peers themselves, and the peer all-reduce kernel only waits and

@@ -1024,17 +1024,24 @@ fn attention_head_dim_kernels_are_bit_identical() {
 /// The compact decode attention (`set_attn_compact`, attention.cu's `attn_compact_hd64`): where
 /// its case holds (head dim 64, no bias or norms, one token, the cluster merge, at most
 /// `plan::ATTN_COMPACT_ROWS` rows a split) every layer runs it, elsewhere none does; its
-/// logits are within tolerance of the CPU reference, and within the same tolerance of the
-/// generic fused kernel's (not bit-identical: the sums over warps and splits run in another
-/// order), in both dtypes, for a GQA group of 3 (SmolLM2's 9 / 3 heads) and 4, at the new row
-/// in the first, a middle and the last row slot of its split, with 2 to 8 splits; every step
-/// starts on shared memory filled with NaN (`poison_shared_memory`), which no kernel may read
-/// (session 41's compact kernel multiplied its stale row slots by 0: NaN logits).
+/// logits are within tolerance of the CPU reference, and within `APART` (1e-4) of the generic
+/// fused kernel's (not bit-identical: the sums over warps and splits run in another order), in
+/// both dtypes, for a GQA group of 3 (SmolLM2's 9 / 3 heads) and 4, with 2 to 8 splits, the new
+/// row in row slot 0 of its split (at its first row, and at its 17th: slot 0 of the second row
+/// group), in middle slots and in the last (slot 15 of the last row group), with splits past the
+/// sequence left empty (2 and 8 rows of context in 8 splits); every step starts on shared memory
+/// filled with NaN (`poison_shared_memory`), which no kernel may read (session 41's compact
+/// kernel multiplied its stale row slots by 0: NaN logits; the first layer's attention meets the
+/// poison, the later layers whatever the earlier kernels left).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn compact_attention_matches_the_reference_and_the_generic_kernel() {
     let mut failures = Vec::new();
-    let mut compact_runs = 0;
+    // The compact and generic kernels' logits differ by f32 rounding only: at most 3.1e-6
+    // (relative L2) over these cases on an H200 (session 43); a wrong row, weight or merge
+    // moves them by more than the CPU reference's tolerance.
+    const APART: f64 = 1e-4;
+    let (mut compact_runs, mut pdl) = (0, false);
     for (heads, kv_heads) in [(9usize, 3usize), (8, 2)] {
         let a = Arch {
             name: "compact",
@@ -1050,12 +1057,22 @@ fn compact_attention_matches_the_reference_and_the_generic_kernel() {
             vocab: 300,
         };
         for dtype in [DType::BF16, DType::F16] {
-            // (prompt, capacity, splits): 384 rows in 6 splits (the bench's cache: 64 rows a
-            // split) with the new rows at the start of the last split and at its last row;
-            // 32 rows in 2; 512 in 8; 390 rows in 6 splits (65 a split: not the compact case).
-            for (prompt, cap, splits) in
-                [(127usize, 384usize, 6usize), (380, 384, 6), (20, 32, 2), (300, 512, 8), (200, 390, 6)]
-            {
+            // (prompt, capacity, splits), the new row's split-relative row over the 4 steps
+            // (slot = row % 16, row group = row / 16): 384 rows in 6 splits (the bench's cache:
+            // 64 rows a split), rows 17-20 and 60-63 (the last slot); 32 rows in 2, rows 9-11;
+            // 512 in 8, rows 34-37; 64 in 2, rows 16-17 (slot 0 of the second row group); 64 in
+            // 8 with 9-12 and 3-6 rows of context, rows 0-1 and 0 (slot 0; the splits past the
+            // context empty); 390 rows in 6 splits (65 a split: not the compact case).
+            for (prompt, cap, splits) in [
+                (127usize, 384usize, 6usize),
+                (380, 384, 6),
+                (20, 32, 2),
+                (300, 512, 8),
+                (33, 64, 2),
+                (8, 64, 8),
+                (2, 64, 8),
+                (200, 390, 6),
+            ] {
                 let steps = 4;
                 let (s, w, _) = build(a, dtype, 11);
                 let (toks, fed, refs) = ref_continuation(&s, &w, prompt, steps, 29);
@@ -1066,6 +1083,7 @@ fn compact_attention_matches_the_reference_and_the_generic_kernel() {
                     r.init_sequence(1, cap).unwrap();
                     r.set_attention_splits(1, splits).unwrap();
                     r.prefill(1, &toks).unwrap();
+                    pdl |= r.programmatic_launch();
                     let fits = plan::attn_compact_fits(64, 1, 4, true, true, splits, cap) && r.programmatic_launch();
                     let (mut got, mut logits, mut worst) = (Vec::new(), Vec::new(), 0.0f64);
                     for (i, &t) in fed.iter().enumerate() {
@@ -1099,7 +1117,11 @@ fn compact_attention_matches_the_reference_and_the_generic_kernel() {
                     runs.push(logits.concat());
                 }
                 let apart = rel_err(&runs[0], &runs[1]);
-                if apart > tol(dtype) {
+                println!(
+                    "COMPACT {heads}/{kv_heads} {:<4} prompt {prompt:<3} cap {cap} splits {splits}: compact vs generic {apart:.2e} (tol {APART:.0e})",
+                    dtype.name(),
+                );
+                if apart > APART {
                     failures.push(format!(
                         "{heads}/{kv_heads} {dtype:?} prompt {prompt} cap {cap} splits {splits}: compact and generic {apart:.3e} apart"
                     ));
@@ -1107,8 +1129,9 @@ fn compact_attention_matches_the_reference_and_the_generic_kernel() {
             }
         }
     }
-    // The compact case held somewhere (else this test checked only the generic kernel).
-    if compact_runs == 0 {
+    // The compact case held somewhere (else this test checked only the generic kernel); it
+    // needs the compute_90 kernels (the cluster merge), which a GPU before sm_90 does not run.
+    if pdl && compact_runs == 0 {
         failures.push("no step ran the compact kernel".into());
     }
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());

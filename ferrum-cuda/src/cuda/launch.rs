@@ -317,8 +317,10 @@ pub(crate) struct AttnO<'a> {
 /// Wider models (8192) are unmeasured and keep the separate add + RMSNorm kernels.
 pub(crate) const FUSED_NORMS_MAX_HIDDEN: usize = 4096;
 
-/// The row-walking decode attention kernels (attention.cu's `attn_impl`), whose launches take
-/// the dynamic shared memory of `plan::attn_dyn_bytes`.
+/// The decode attention kernels: the row-walking ones (attention.cu's `attn_impl`), whose
+/// launches take the dynamic shared memory of `plan::attn_dyn_bytes`, and the compact one
+/// (`attn_compact_hd64`, `plan::attn_compact_dyn_bytes`), all set up at load for up to
+/// `plan::attn_max_dyn_bytes`.
 fn is_decode_attention(k: Kernel) -> bool {
     use Kernel::*;
     matches!(
@@ -373,13 +375,15 @@ pub(crate) struct Kernels {
     pub(crate) fuse_merge: bool,
     /// With `fuse_merge` on the compute_90 kernels (`pdl`) and at most
     /// `plan::ATTN_MAX_CLUSTER` splits, the split blocks of each head run as one thread-block
-    /// cluster and merge through distributed shared memory (bit-identical).
+    /// cluster and merge through distributed shared memory (bit-identical, except where the
+    /// compact kernel takes the case: `attn_compact`).
     pub(crate) fuse_cluster: bool,
     /// One-GPU decode steps fuse the residual adds and RMSNorms into the projections (gemv.cu's
     /// `_res` / `_norm` kernels; the same math, other f32 rounding).
     pub(crate) fuse_norms: bool,
     /// Decode steps (one token) do RoPE and the K/V append inside the attention kernel
-    /// (`ferrum_attn_rope_*`; bit-identical to the separate rope kernel).
+    /// (`ferrum_attn_rope_*`; bit-identical to the separate rope kernel, except where the
+    /// compact kernel takes the case: `attn_compact`).
     pub(crate) fuse_rope: bool,
     /// The widest hidden size whose one-GPU decode fuses the norms into the GEMVs
     /// ([`FUSED_NORMS_MAX_HIDDEN`], or `FERRUM_FUSED_NORMS_MAX_HIDDEN`).
@@ -442,7 +446,8 @@ pub(crate) struct Kernels {
     pub(crate) attn_head_dim_kernels: bool,
     /// The fused decode attention's one-token early-copy cluster case at head dim 64 without
     /// bias or norms runs the compact kernel (`FERRUM_ATTN_COMPACT`, default on:
-    /// `plan::attn_compact`).
+    /// `plan::attn_compact`). Not bit-identical to the generic kernel: its sums over warps and
+    /// splits run in another order (a GPU test bounds the difference).
     pub(crate) attn_compact: bool,
     /// The GPU's opt-in shared memory a block (`cuFuncSetAttribute`'s limit; the poison
     /// kernel's size).
@@ -1045,7 +1050,7 @@ impl Kernels {
     /// `counters` is not null, and by [`Self::attn_combine`] otherwise. With `rope` (one decode
     /// token only) `q` is the raw qkv row and the kernel also does [`Self::rope_qkv`]'s work,
     /// appending the new K/V row to the caches (`ferrum_attn_rope_*`, bit-identical to the two
-    /// launches). With `o` as well (and `cluster`: the other paths are refused), the kernel also
+    /// launches, except the compact kernel's case, which sums in another order: `attn_compact`). With `o` as well (and `cluster`: the other paths are refused), the kernel also
     /// adds the o projection to the residual (`ferrum_attn_rope[_early]_o_hd64_*`, which
     /// ignore their head-dim argument: `plan::attn_o_fits` must allow it, which admits head
     /// dim 64 only).
@@ -1131,9 +1136,11 @@ impl Kernels {
         };
         let early = rope.as_ref().is_some_and(|r| r.early);
         // The compact kernel (attention.cu's attn_compact_hd64): its case exactly, checked
-        // here in full, since the kernel has no other path.
+        // here in full, since the kernel has no other path; it loads the raw row as float4 and
+        // the cache rows as 16-byte chunks, so those start 16-byte aligned.
         let compact = self.attn_compact
             && o.is_none()
+            && [pq, pk, pv].iter().all(|p| p % 16 == 0)
             && rope_args.as_ref().is_some_and(|r| r.0 == 0 && r.1 == 0 && r.2 == 0 && r.6 == 0)
             && crate::plan::attn_compact_fits(head_dim, n_tok, warps, early, cluster, n_splits, capacity);
         let dyn_bytes = if compact {
@@ -1275,9 +1282,12 @@ impl Kernels {
         // the `_early` signature; one token, head dim 64, 4 warps, the cluster, no bias, norms
         // or fold, splits of at most plan::ATTN_COMPACT_ROWS rows, all checked above) reads the
         // raw row, pos[0], inv_freq and cache rows [kvh][split's rows] below min(pos + 1,
-        // capacity), writes cache row [kvh][pos] (pos < capacity only) and out[h*64 .. +64),
-        // and its merge buffer and early copies fill attn_compact_dyn_bytes (within
-        // attn_max_dyn_bytes; the kernel checks %dynamic_smem_size and the launch shape).
+        // capacity), with 16-byte loads from 16-byte aligned bases (checked above), writes
+        // cache row [kvh][pos] (pos < capacity only) and out[h*64 .. +64); its merge buffer
+        // and early copies fill attn_compact_dyn_bytes (within attn_max_dyn_bytes; the kernel
+        // checks %dynamic_smem_size and the launch shape, n_splits <= ATTN_MAX_CLUSTER
+        // included), and every warp's st.async writes only its own partial's 272 bytes of
+        // block 0's merge buffer, block 0 alive until the mbarrier has counted them all.
         unsafe { b.launch(c) }.map_err(Error::driver("attn"))?;
         Ok(())
     }
@@ -1979,9 +1989,12 @@ impl Kernels {
     }
 
     /// Launches `ferrum_poison_shared` over `2 * sms` blocks of the whole opt-in shared memory
-    /// (at most one a multiprocessor, so every multiprocessor runs one): every byte of shared
-    /// memory the next kernels' blocks are given starts as all-ones (NaN), for tests that
-    /// check no kernel computes with shared memory it did not write.
+    /// (at most one resident a multiprocessor; the block scheduler spreads them, so every
+    /// multiprocessor very likely runs one, though nothing guarantees it): the shared memory
+    /// the next kernels' blocks are given starts as all-ones (NaN), for tests that check no
+    /// kernel computes with shared memory it did not write. Only the kernels that run before
+    /// any other kernel writes shared memory see the poison (in a decode step: the first
+    /// layer's).
     pub(crate) fn poison_shared(&self, sms: usize) -> Result<()> {
         let blocks = u32::try_from(2 * sms.max(1)).map_err(|_| Error::Internal(format!("{sms} multiprocessors")))?;
         let mut c = cfg((blocks, 1, 1), 256);
