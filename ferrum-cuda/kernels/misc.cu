@@ -553,7 +553,7 @@ FERRUM_INIT(bf16, bf16)
 // Fills the block's dynamic shared memory with all-ones bytes: NaN as f32, f16 and bf16. The GPU
 // does not clear shared memory between the kernels of a context, so the next kernels on these
 // multiprocessors start on it: a test launches this over every multiprocessor, with the whole
-// opt-in shared memory a block, to check that a kernel never computes with shared memory it did
+// opt-in shared memory a block, to check that no kernel's results take in shared memory it did
 // not write (CudaDecodeRunner::poison_shared_memory; for tests only). Inline-assembly stores, so
 // the compiler cannot drop them as dead (nothing in the kernel reads them back).
 extern "C" __global__ void ferrum_poison_shared(void) {

@@ -1030,9 +1030,10 @@ fn attention_head_dim_kernels_are_bit_identical() {
 /// row in row slot 0 of its split (at its first row, and at its 17th: slot 0 of the second row
 /// group), in middle slots and in the last (slot 15 of the last row group), with splits past the
 /// sequence left empty (2 and 8 rows of context in 8 splits); every step starts on shared memory
-/// filled with NaN (`poison_shared_memory`), which no kernel may read (session 41's compact
-/// kernel multiplied its stale row slots by 0: NaN logits; the first layer's attention meets the
-/// poison, the later layers whatever the earlier kernels left).
+/// filled with NaN (`poison_shared_memory`), which no kernel may let into its results (session
+/// 41's compact kernel multiplied its stale row slots by 0: NaN logits; the first layer's
+/// attention meets the poison, the later layers whatever the earlier kernels left; a build with
+/// that bug put back fails every compact case here, session 43).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn compact_attention_matches_the_reference_and_the_generic_kernel() {
@@ -1088,8 +1089,8 @@ fn compact_attention_matches_the_reference_and_the_generic_kernel() {
                     let (mut got, mut logits, mut worst) = (Vec::new(), Vec::new(), 0.0f64);
                     for (i, &t) in fed.iter().enumerate() {
                         // Every multiprocessor's shared memory NaN before the step: a kernel
-                        // that computes with shared memory it did not write (a split's stale
-                        // row slots) turns the logits NaN.
+                        // whose results take in shared memory it did not write (a split's
+                        // stale row slots) turns the logits NaN.
                         r.poison_shared_memory().unwrap();
                         let prof = r.profile_decode_step(1, t, prompt + i).unwrap();
                         let n = prof.iter().filter(|(n, _)| n.contains("_compact_")).count();

@@ -1992,7 +1992,7 @@ impl Kernels {
     /// (at most one resident a multiprocessor; the block scheduler spreads them, so every
     /// multiprocessor very likely runs one, though nothing guarantees it): the shared memory
     /// the next kernels' blocks are given starts as all-ones (NaN), for tests that check no
-    /// kernel computes with shared memory it did not write. Only the kernels that run before
+    /// kernel's results take in shared memory it did not write. Only the kernels that run before
     /// any other kernel writes shared memory see the poison (in a decode step: the first
     /// layer's).
     pub(crate) fn poison_shared(&self, sms: usize) -> Result<()> {

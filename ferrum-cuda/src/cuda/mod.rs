@@ -1788,7 +1788,7 @@ impl CudaDecodeRunner {
     /// Enqueues a kernel on the runner's stream that leaves every byte of every
     /// multiprocessor's shared memory all-ones (NaN as f32, f16 and bf16); the GPU does not
     /// clear shared memory between kernels, so the next kernels' blocks start on it. For tests
-    /// that check no kernel computes with shared memory it did not write.
+    /// that check no kernel's results take in shared memory it did not write.
     #[doc(hidden)]
     pub fn poison_shared_memory(&self) -> Result<()> {
         self.k.poison_shared(self.sms)
