@@ -180,7 +180,7 @@ kernels! {
     InitUniformF16 => "ferrum_init_uniform_f16" in "misc",
     InitUniformBf16 => "ferrum_init_uniform_bf16" in "misc",
     /// Fills its blocks' dynamic shared memory with all-ones bytes (NaN in every float type),
-    /// so tests can check that no kernel computes with shared memory it did not write.
+    /// so tests can check that no kernel's results take in shared memory it did not write.
     PoisonShared => "ferrum_poison_shared" in "misc",
 }
 

@@ -1050,10 +1050,11 @@ impl Kernels {
     /// `counters` is not null, and by [`Self::attn_combine`] otherwise. With `rope` (one decode
     /// token only) `q` is the raw qkv row and the kernel also does [`Self::rope_qkv`]'s work,
     /// appending the new K/V row to the caches (`ferrum_attn_rope_*`, bit-identical to the two
-    /// launches, except the compact kernel's case, which sums in another order: `attn_compact`). With `o` as well (and `cluster`: the other paths are refused), the kernel also
-    /// adds the o projection to the residual (`ferrum_attn_rope[_early]_o_hd64_*`, which
-    /// ignore their head-dim argument: `plan::attn_o_fits` must allow it, which admits head
-    /// dim 64 only).
+    /// launches, except the compact kernel's case, which sums in another order:
+    /// `attn_compact`). With `o` as well (and `cluster`: the other paths are refused), the
+    /// kernel also adds the o projection to the residual (`ferrum_attn_rope[_early]_o_hd64_*`,
+    /// which ignore their head-dim argument: `plan::attn_o_fits` must allow it, which admits
+    /// head dim 64 only).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn attn(
         &self,
@@ -1141,6 +1142,7 @@ impl Kernels {
         let compact = self.attn_compact
             && o.is_none()
             && [pq, pk, pv].iter().all(|p| p % 16 == 0)
+            // no bias, q_norm or k_norm (null pointers), no folded residual (pre_n == 0)
             && rope_args.as_ref().is_some_and(|r| r.0 == 0 && r.1 == 0 && r.2 == 0 && r.6 == 0)
             && crate::plan::attn_compact_fits(head_dim, n_tok, warps, early, cluster, n_splits, capacity);
         let dyn_bytes = if compact {
