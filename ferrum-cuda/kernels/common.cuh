@@ -71,8 +71,9 @@ __device__ unsigned ferrum_tl_on;
 // block, while the host has armed a replay), else null; `t` gets the timer and `g` the grid id.
 // The timer read has a memory clobber, so the compiler keeps every memory access of the code
 // before it ahead.
-__device__ __forceinline__ FerrumTlSlot *ferrum_tl_slot(unsigned on, unsigned long long &t, unsigned long long &g) {
-    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return nullptr;
+__device__ __forceinline__ FerrumTlSlot *ferrum_tl_slot(unsigned on, unsigned long long &t, unsigned long long &g,
+                                                        bool any_thread = false) {
+    if (on == 0u || (!any_thread && (threadIdx.x | threadIdx.y | threadIdx.z) != 0u)) return nullptr;
     const unsigned b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
     if (b >= FERRUM_TL_FIRST_BLOCKS && b % FERRUM_TL_EVERY != 0u) return nullptr;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)::"memory");
@@ -105,6 +106,15 @@ __device__ __forceinline__ void ferrum_tl_phase(unsigned on, int k, float dep) {
     FerrumTlSlot *s = ferrum_tl_slot(on, t, g);
     if (s != nullptr) atomicMin(&s->phase_last_not[k], ~t);
 }
+// Phase k of every warp of a stamped block (its lane 0): the latest time any warp of the
+// stamped blocks reached it, where ferrum_tl_phase gives the first warp's. `dep` as above.
+__device__ __forceinline__ void ferrum_tl_phase_warp(unsigned on, int k, float dep) {
+    if (on == 0u || (threadIdx.x & 31u) != 0u) return;
+    if (__float_as_uint(dep) == 0xffffffffu) return;
+    unsigned long long t, g;
+    FerrumTlSlot *s = ferrum_tl_slot(on, t, g, true);
+    if (s != nullptr) atomicMin(&s->phase_last_not[k], ~t);
+}
 __device__ __forceinline__ unsigned long long ferrum_tl_now() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -113,6 +123,7 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 #define FERRUM_TL_FLAG() (*(volatile unsigned *)&ferrum_tl_on)
 #define FERRUM_TL_NOW() ferrum_tl_now()
 #define FERRUM_TL_PHASE(on, k, dep) ferrum_tl_phase(on, k, dep)
+#define FERRUM_TL_PHASE_WARP(on, k, dep) ferrum_tl_phase_warp(on, k, dep)
 #else
 #define FERRUM_TL_FLAG() 0u
 #define FERRUM_TL_NOW() 0ull
@@ -137,6 +148,9 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 #undef FERRUM_TL_FLAG
 #define FERRUM_TL_FLAG() 0u
 #define FERRUM_TL_PHASE(on, k, dep) ((void)(on), (void)(k), (void)(dep))
+#endif
+#ifndef FERRUM_TL_PHASE_WARP
+#define FERRUM_TL_PHASE_WARP(on, k, dep) ((void)(on), (void)(k), (void)(dep))
 #endif
 
 __device__ __forceinline__ float to_f(f16 x) { return __half2float(x); }

@@ -102,7 +102,8 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const int gl = lane % LPR, sub = lane / LPR;  // lane in its row group, the group in the warp
     // The timeline build's phase stamps (common.cuh; 0 and no code in every other build): 0 the
-    // prefetched chunks' FMAs done, 1 the loop and warp sums, 2 the split-K sum, 3 the stores.
+    // prefetched chunks' FMAs done, 1 the loop and warp sums, 2 the split-K sum, 3 the stores
+    // (the first warp of a block); 4 and 5: phases 1 and 3 of any warp of the block.
     const unsigned tl_on = FERRUM_TL_FLAG();
     const int ks = blockDim.y, kw = threadIdx.y;  // split-K: warp kw of the group's ks
     const int wg = blockIdx.x * nw + warp;
@@ -190,6 +191,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     for (int r = 0; r < ROWS; ++r) acc[r] = group_sum<LPR>(acc[r]);
     if (NORM) ss = group_sum<LPR>(ss);
     FERRUM_TL_PHASE(tl_on, 1, acc[ROWS - 1]);
+    FERRUM_TL_PHASE_WARP(tl_on, 4, acc[ROWS - 1]);  // phase 1 of every warp (4: the latest)
     if (LPR == 32 && ks > 1) {
         // The group's ks warp sums, added in k order by warp 0 of the group. Named barrier
         // 1 + warp (0 is __syncthreads') over the group's ks * 32 threads only: every group of
@@ -260,6 +262,7 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
         }
     }
     FERRUM_TL_PHASE(tl_on, 3, 0.0f);
+    FERRUM_TL_PHASE_WARP(tl_on, 5, 0.0f);  // phase 3 of every storing warp (5: the latest)
 }
 
 // The `_push` entry points (plain y = W x, TP partials) take the rank's peer arguments first.

@@ -419,6 +419,11 @@ __device__ void head_screen(const int8_t *q, const float *scale, const float *co
         if (lane == 0) s_rn = rn;
     }
     __syncthreads();
+    // The timeline build's phase stamps (common.cuh; no code in other builds): 0 x' staged, 1
+    // the screening dot products and bounds, 2 the floor raised, 3 the re-reads (a block's
+    // first warp); 4 the end of any warp of the block.
+    const unsigned tl_on = FERRUM_TL_FLAG();
+    FERRUM_TL_PHASE(tl_on, 0, 0.0f);
     l1 = 0.0f;
 #pragma unroll
     for (int i = 0; i < HEAD_WARPS; ++i) l1 = __fadd_ru(l1, s_l1[i]);
@@ -461,10 +466,12 @@ __device__ void head_screen(const int8_t *q, const float *scale, const float *co
         up[j] = hi;
         best_lo = fmaxf(best_lo, lo);
     }
+    FERRUM_TL_PHASE(tl_on, 1, best_lo);
     // Raise the floor (lane 0; the old value comes back), then re-read the rows that reach it.
     int f = 0;
     if (lane == 0) f = max(atomicMax(&st->floor_ord, ord_of(best_lo)), ord_of(best_lo));
     const float floor_now = of_ord(__shfl_sync(0xffffffffu, f, 0));
+    FERRUM_TL_PHASE(tl_on, 2, floor_now);
 #pragma unroll
     for (int j = 0; j < HEAD_ROWS; ++j) {
         if (r0 + j >= rows || up[j] < floor_now) continue;
@@ -475,6 +482,8 @@ __device__ void head_screen(const int8_t *q, const float *scale, const float *co
             if (at < rows) list[at] = HeadEntry{l, base + (uint32_t)(r0 + j)};
         }
     }
+    FERRUM_TL_PHASE(tl_on, 3, 0.0f);
+    FERRUM_TL_PHASE_WARP(tl_on, 4, 0.0f);
 }
 
 #define FERRUM_HEAD_SCREEN(S, T)                                                                   \

@@ -453,12 +453,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             println!(
                 "  every kernel of the step (mean µs to the next kernel's release, spread of the stamped \
                  releases, stamped blocks: the first 8 and every 32nd; their earliest and latest arrival \
-                 at the wait, µs after the earliest release):"
+                 at the wait, µs after the earliest release; the phases its body stamps):"
             );
             for k in &t.kernels {
                 let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
+                let ph: Vec<String> =
+                    k.phases_us.iter().enumerate().filter_map(|(i, p)| p.map(|p| format!("{i}:{p:.2}"))).collect();
+                let ph = if ph.is_empty() { String::new() } else { format!("  phases {}", ph.join(" ")) };
                 println!(
-                    "    {:<40} {m:>7} {:>7.2} {:>6} {:>7.2} {:>7.2}",
+                    "    {:<40} {m:>7} {:>7.2} {:>6} {:>7.2} {:>7.2}{ph}",
                     k.name, k.spread_us, k.stamped_blocks, k.arrive_us.0, k.arrive_us.1
                 );
             }

@@ -620,10 +620,12 @@ impl Kernels {
         let optin = ctx
             .attribute(cu::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(Error::driver("device attribute"))?;
+        // The same limit unsigned (0 if the driver gave a negative one: no opt-in).
+        let optin_bytes = u32::try_from(optin).unwrap_or(0);
         let widest = crate::plan::PREFILL_HEAD_DIMS.iter().copied().max().unwrap_or(128);
-        let attn_tc_smem_max = crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, widest)
-            .min(u32::try_from(optin).unwrap_or(0).max(48 * 1024));
-        let attn_o_smem_max = crate::plan::attn_o_smem_max(u32::try_from(optin).unwrap_or(0));
+        let attn_tc_smem_max =
+            crate::plan::attn_gqa_dyn_bytes(crate::plan::ATTN_TC_MAX_STAGES, widest).min(optin_bytes.max(48 * 1024));
+        let attn_o_smem_max = crate::plan::attn_o_smem_max(optin_bytes);
         let fuse_o = crate::plan::attn_o(env("FERRUM_ATTN_O")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let attn_compact = crate::plan::attn_compact(env("FERRUM_ATTN_COMPACT")?.as_deref())?;
@@ -751,7 +753,7 @@ impl Kernels {
             fuse_o,
             attn_head_dim_kernels,
             attn_compact,
-            smem_optin: u32::try_from(optin).unwrap_or(0),
+            smem_optin: optin_bytes,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
             gemv_log: RefCell::new(None),
