@@ -92,27 +92,21 @@ __device__ __forceinline__ void ferrum_tl_stamp(unsigned on, unsigned long long 
     atomicMin(&s->arrive_last_not, ~arrived);
 }
 // Phase k of a stamped block's body (its first thread; `on` is FERRUM_TL_FLAG() read by the
-// kernel at entry): the latest such time over the stamped blocks. A fire-and-forget reduction,
-// as above. `dep` is a value the phase computes last, where there is one (0.0f where the
-// phase ends at a barrier or a store, which the timer read's memory clobber keeps ahead): the
-// stamp branches on its bits (a test that never holds for a value an FMA or a load from this
-// kernel's own arithmetic gives: the all-ones NaN), so the timer is read only once that value
-// exists, wherever the compiler schedules the arithmetic before it.
-__device__ __forceinline__ void ferrum_tl_phase(unsigned on, int k, float dep) {
-    // The stamping thread only (the test on dep would otherwise hold every thread).
-    if (on == 0u || (threadIdx.x | threadIdx.y | threadIdx.z) != 0u) return;
+// kernel at entry): the latest such time over the stamped blocks. With `every_warp`, lane 0 of
+// every warp of a stamped block stamps (blockDim.x a multiple of 32), so the phase gives the
+// latest warp's time (FERRUM_TL_PHASE_WARP). A fire-and-forget reduction, as above. `dep` is a
+// value the phase computes last, where there is one (0.0f where the phase ends at a barrier or
+// a store, which the timer read's memory clobber keeps ahead): the stamp branches on its bits
+// (a test that never holds for a value an FMA or a load from this kernel's own arithmetic
+// gives: the all-ones NaN), so the timer is read only once that value exists, wherever the
+// compiler schedules the arithmetic before it.
+__device__ __forceinline__ void ferrum_tl_phase(unsigned on, int k, float dep, bool every_warp = false) {
+    // The stamping threads only (the test on dep would otherwise hold every thread).
+    const bool stamps = every_warp ? (threadIdx.x & 31u) == 0u : (threadIdx.x | threadIdx.y | threadIdx.z) == 0u;
+    if (on == 0u || !stamps) return;
     if (__float_as_uint(dep) == 0xffffffffu) return;
     unsigned long long t, g;
-    FerrumTlSlot *s = ferrum_tl_slot(on, t, g);
-    if (s != nullptr) atomicMin(&s->phase_last_not[k], ~t);
-}
-// Phase k of every warp of a stamped block (its lane 0): the latest time any warp of the
-// stamped blocks reached it, where ferrum_tl_phase gives the first warp's. `dep` as above.
-__device__ __forceinline__ void ferrum_tl_phase_warp(unsigned on, int k, float dep) {
-    if (on == 0u || (threadIdx.x & 31u) != 0u) return;
-    if (__float_as_uint(dep) == 0xffffffffu) return;
-    unsigned long long t, g;
-    FerrumTlSlot *s = ferrum_tl_slot(on, t, g, true);
+    FerrumTlSlot *s = ferrum_tl_slot(on, t, g, every_warp);
     if (s != nullptr) atomicMin(&s->phase_last_not[k], ~t);
 }
 __device__ __forceinline__ unsigned long long ferrum_tl_now() {
@@ -123,7 +117,7 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 #define FERRUM_TL_FLAG() (*(volatile unsigned *)&ferrum_tl_on)
 #define FERRUM_TL_NOW() ferrum_tl_now()
 #define FERRUM_TL_PHASE(on, k, dep) ferrum_tl_phase(on, k, dep)
-#define FERRUM_TL_PHASE_WARP(on, k, dep) ferrum_tl_phase_warp(on, k, dep)
+#define FERRUM_TL_PHASE_WARP(on, k, dep) ferrum_tl_phase(on, k, dep, true)
 #else
 #define FERRUM_TL_FLAG() 0u
 #define FERRUM_TL_NOW() 0ull

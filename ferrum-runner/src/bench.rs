@@ -229,6 +229,17 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
+/// A kernel's stamped phases as the timeline lines print them (`"  phases 0:1.10 3:2.72"`: phase
+/// k at µs after the kernel's earliest release), or nothing when it stamps none.
+fn phases_text(phases: &[Option<f64>]) -> String {
+    let ph: Vec<String> = phases.iter().enumerate().filter_map(|(k, p)| p.map(|p| format!("{k}:{p:.2}"))).collect();
+    if ph.is_empty() {
+        String::new()
+    } else {
+        format!("  phases {}", ph.join(" "))
+    }
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.runs == 0 {
         bail!("--prompt-tokens, --gen-tokens and --runs must be at least 1");
@@ -444,9 +455,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                      stamps, µs after its earliest release: gemv.cu and attention.cu list them):"
                 );
                 for (name, v, ph) in layer {
-                    let ph: Vec<String> =
-                        ph.iter().enumerate().filter_map(|(k, p)| p.map(|p| format!("{k}:{p:.2}"))).collect();
-                    let ph = if ph.is_empty() { String::new() } else { format!("  phases {}", ph.join(" ")) };
+                    let ph = phases_text(ph);
                     println!("    {name:<40} {v:>7.2} µs{ph}");
                 }
             }
@@ -457,9 +466,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             );
             for k in &t.kernels {
                 let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
-                let ph: Vec<String> =
-                    k.phases_us.iter().enumerate().filter_map(|(i, p)| p.map(|p| format!("{i}:{p:.2}"))).collect();
-                let ph = if ph.is_empty() { String::new() } else { format!("  phases {}", ph.join(" ")) };
+                let ph = phases_text(&k.phases_us);
                 println!(
                     "    {:<40} {m:>7} {:>7.2} {:>6} {:>7.2} {:>7.2}{ph}",
                     k.name, k.spread_us, k.stamped_blocks, k.arrive_us.0, k.arrive_us.1
@@ -545,6 +552,12 @@ fn file_cuda(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn phases_print_only_the_stamped_ones() {
+        assert_eq!(phases_text(&[None, None]), "");
+        assert_eq!(phases_text(&[Some(1.104), None, None, Some(2.7)]), "  phases 0:1.10 3:2.70");
+    }
 
     #[test]
     fn kernel_rows_sum_per_kernel_largest_first() {
