@@ -463,14 +463,18 @@ fn wide_config(arch: Arch, hidden: usize, vocab: usize) -> ModelConfig {
 /// GEMV's own summation order), not only the chosen one: compared with the host-fed steps'
 /// logits at every step, on heads whose GEMV sums a row with split-K (hidden 1024 over 1000
 /// rows: several warps a row group) and with 16 or 8 lanes a row (20000 rows of 1024 and
-/// 49152 of 256: the short-row kernels), each with the fused final norm and without it, both
-/// dtypes.
+/// 49152 of 256: the short-row kernels), and on SmolLM2-135M's 49152 x 576 (36 chunks a row:
+/// the screen's lanes 0-3 take a second chunk of each of their 8 rows), each with the fused
+/// final norm and without it, both dtypes.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn screened_rows_carry_the_full_heads_logits_bit_for_bit() {
     init();
-    for (hidden, vocab) in [(256, 1001), (1024, 1000), (1024, 20000), (256, 49152)] {
-        let cfg = wide_config(Arch::Llama, hidden, vocab);
+    for (hidden, vocab) in [(256, 1001), (1024, 1000), (1024, 20000), (256, 49152), (576, 49152)] {
+        let mut cfg = wide_config(Arch::Llama, hidden, vocab);
+        if hidden == 576 {
+            cfg.num_kv_heads = 3; // 9 query heads of 64, as SmolLM2-135M
+        }
         let w = weights(&cfg, 41);
         let p = prompt(24, vocab, 4);
         for dtype in [BF16, ferrum_cuda::DType::F16] {
