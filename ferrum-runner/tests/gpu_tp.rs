@@ -449,12 +449,15 @@ fn screened_head_matches_the_full_head_at_real_shapes() {
     }
 }
 
-/// A model of `hidden` columns with `vocab` rows (16 query heads of 64 over 4 KV heads, so
-/// q_dim = hidden at 1024).
+/// A model of `hidden` columns with `vocab` rows: hidden / 64 query heads of 64 (q_dim =
+/// hidden) over the most KV heads of 4, 3, 2, 1 that divides them (16 over 4 at 1024; 9 over 3
+/// at 576, as SmolLM2-135M).
 fn wide_config(arch: Arch, hidden: usize, vocab: usize) -> ModelConfig {
-    let mut c = config(arch, false, 4);
+    let heads = hidden / 64;
+    let kv = [4, 3, 2, 1].into_iter().find(|k| heads % k == 0).unwrap_or(1);
+    let mut c = config(arch, false, kv);
     c.hidden_size = hidden;
-    c.num_heads = hidden / 64;
+    c.num_heads = heads;
     c.vocab_size = vocab;
     c
 }
@@ -471,10 +474,7 @@ fn wide_config(arch: Arch, hidden: usize, vocab: usize) -> ModelConfig {
 fn screened_rows_carry_the_full_heads_logits_bit_for_bit() {
     init();
     for (hidden, vocab) in [(256, 1001), (1024, 1000), (1024, 20000), (256, 49152), (576, 49152)] {
-        let mut cfg = wide_config(Arch::Llama, hidden, vocab);
-        if hidden == 576 {
-            cfg.num_kv_heads = 3; // 9 query heads of 64, as SmolLM2-135M
-        }
+        let cfg = wide_config(Arch::Llama, hidden, vocab);
         let w = weights(&cfg, 41);
         let p = prompt(24, vocab, 4);
         for dtype in [BF16, ferrum_cuda::DType::F16] {
