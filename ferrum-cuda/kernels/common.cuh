@@ -123,20 +123,40 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 #define FERRUM_TL_NOW() 0ull
 #define ferrum_tl_stamp(on, arrived) ((void)(on), (void)(arrived))
 #endif
-#define FERRUM_PDL_ENTRY()                                                                         \
+#define FERRUM_PDL_WAIT()                                                                          \
     do {                                                                                           \
         const unsigned ferrum_tl_on_ = FERRUM_TL_FLAG();                                           \
         const unsigned long long ferrum_tl_arrived_ = FERRUM_TL_NOW();                             \
         asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
-        asm volatile("griddepcontrol.launch_dependents;" ::: "memory");                            \
         ferrum_tl_stamp(ferrum_tl_on_, ferrum_tl_arrived_);                                        \
+    } while (0)
+#define FERRUM_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define FERRUM_PDL_ENTRY() \
+    do {                   \
+        FERRUM_PDL_WAIT(); \
+        FERRUM_PDL_TRIGGER(); \
     } while (0)
 #else
 #define FERRUM_HAS_PDL 0
+#define FERRUM_PDL_WAIT() \
+    do {                  \
+    } while (0)
+#define FERRUM_PDL_TRIGGER() \
+    do {                     \
+    } while (0)
 #define FERRUM_PDL_ENTRY() \
     do {                   \
     } while (0)
 #endif
+// The early trigger (the `_et` kernels, FERRUM_EARLY_TRIGGER): FERRUM_PDL_TRIGGER() at the
+// kernel's entry and FERRUM_PDL_WAIT() where FERRUM_PDL_ENTRY() would be, so that the next
+// kernel's blocks are dispatched, and start their early weight loads, while this one still
+// waits for its predecessor. That weakens the rule above for the kernel after an `_et` one:
+// when it starts, only the kernels before the `_et` kernel's predecessor are known complete
+// (the predecessor itself has passed its wait, since it let the `_et` kernel launch only
+// then). So the host launches an `_et` kernel only where the next kernel reads nothing before
+// its wait but weights, and never two in a row (ferrum_cuda's forward pass: the o projection
+// before gate|up, the down projection before the next q/k/v projection or the LM head).
 // Outside the timeline build the phase stamps compile to nothing.
 #ifndef FERRUM_TL_PHASE
 #undef FERRUM_TL_FLAG

@@ -12,6 +12,8 @@
 // - `_res`: the residual add on the way out: y[r] += W[r] . x (y is the residual stream; its
 //   old value is read before the programmatic-launch wait, so the kernel before this one must
 //   not write y: see gemv()).
+// - `_res_et`: `_res` with the early trigger (common.cuh): the next kernel may launch before
+//   this one's wait (plan::EarlyTrigger; the o and down projections of the one-GPU step).
 // And one for tensor parallelism over a peer group (peer.cuh):
 // - `_push`: y is this rank's partial of an all-reduce that the next kernel completes
 //   (ferrum_peer_add_rmsnorm_pushed_*); the lane that stores outputs o, o + 1 also pushes them,
@@ -94,9 +96,13 @@ template <int ROWS> struct GemvPrefetch {
 #define GEMV_MAX_GROUPS 8
 #define GEMV_MAX_KS 8
 
-template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false, int LPR = 32>
+// ET: the early trigger (common.cuh): the next kernel may launch as soon as this one's blocks
+// are all scheduled, before this one's wait.
+template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false, int LPR = 32,
+          bool ET = false>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
                      float eps, const PeerArgs *pa = nullptr) {
+    if (ET) FERRUM_PDL_TRIGGER();
     static_assert(LPR == 32 || LPR == 16 || LPR == 8, "lanes per row group: 32, 16 or 8");
     constexpr int OUT = GATEUP ? ROWS / 2 : ROWS, SUBS = 32 / LPR;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -160,7 +166,11 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
 #pragma unroll
     for (int j = 0; j < OUT; ++j)
         y_old[j] = RES && gl == 0 && kw == 0 && o0 + j < rows ? ld_early_cg(y + o0 + j) : 0.0f;
-    FERRUM_PDL_ENTRY();  // x comes from the previous kernel
+    // x comes from the previous kernel
+    if (ET)
+        FERRUM_PDL_WAIT();
+    else
+        FERRUM_PDL_ENTRY();
     if (vec) {
         const float4 *x4 = reinterpret_cast<const float4 *>(x);
 #pragma unroll
@@ -335,6 +345,23 @@ FERRUM_GEMV_PUSH(bf16, bf16)
 
 FERRUM_GEMV(f16, f16)
 FERRUM_GEMV(bf16, bf16)
+
+// The `_res` GEMVs with the early trigger (FERRUM_EARLY_TRIGGER; common.cuh says where the
+// host may launch them).
+#define FERRUM_GEMV_ET(S, T)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_res_et_##S(float *y, const T *W, const float *x, int rows, int cols,           \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, false, false, true, false, 32, true>(y, W, x, rows, cols, norm_w, eps);         \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_res_et_##S(float *y, const T *W, const float *x, int rows, int cols,          \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 4, false, false, true, false, 32, true>(y, W, x, rows, cols, norm_w, eps);         \
+    }
+
+FERRUM_GEMV_ET(f16, f16)
+FERRUM_GEMV_ET(bf16, bf16)
 
 // Short rows (plan::gemv_lanes_per_row): two rows per row group, LPR lanes per group.
 #define FERRUM_GEMV_LANES(S, T, L)                                                                 \

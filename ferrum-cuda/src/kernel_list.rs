@@ -144,6 +144,12 @@ kernels! {
     GemvResBf16 => "ferrum_gemv_res_bf16" in "gemv",
     Gemv4ResF16 => "ferrum_gemv4_res_f16" in "gemv",
     Gemv4ResBf16 => "ferrum_gemv4_res_bf16" in "gemv",
+    /// The same with the early trigger (`plan::EarlyTrigger`: the next kernel may launch
+    /// before this one's wait; common.cuh says where).
+    GemvResEtF16 => "ferrum_gemv_res_et_f16" in "gemv",
+    GemvResEtBf16 => "ferrum_gemv_res_et_bf16" in "gemv",
+    Gemv4ResEtF16 => "ferrum_gemv4_res_et_f16" in "gemv",
+    Gemv4ResEtBf16 => "ferrum_gemv4_res_et_bf16" in "gemv",
     /// The plain GEMV (2 or 4 rows per warp) that also pushes its outputs, a TP rank's partial,
     /// into the peer group's receive slots (the first step of the peer all-reduce).
     GemvPushF16 => "ferrum_gemv_push_f16" in "gemv",

@@ -435,6 +435,55 @@ pub fn attn_compact(value: Option<&str>) -> crate::Result<bool> {
     Ok(knob("FERRUM_ATTN_COMPACT", value, 0, 1)?.is_none_or(|v| v == 1))
 }
 
+/// Which GEMVs of the one-GPU decode step let the next kernel launch at their entry instead of
+/// after their programmatic-launch wait (common.cuh's early trigger), so that the next kernel's
+/// blocks are dispatched, and start their early weight loads, while this one still waits for
+/// its predecessor: `o` (the o projection, before gate|up) and `down` (the down projection,
+/// before the next q/k/v projection or the LM head). `FERRUM_EARLY_TRIGGER`: a comma list of
+/// `o` and `down`, `0` or empty for none; unset: [`EARLY_TRIGGER_DEFAULT`]. The same
+/// arithmetic, so the logits do not change.
+///
+/// Measured on one H200 (session 47, docs/PERF.md; the patch with every item in
+/// `docs/bench/2026-12-04-session47/`): the early trigger of the q/k/v projection, the compact
+/// attention, gate|up (with the down projection's residual then loaded after its wait), the
+/// embedding and the screened head's kernels did not pay beside these two, so they are not
+/// kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EarlyTrigger {
+    pub o: bool,
+    pub down: bool,
+}
+
+impl EarlyTrigger {
+    /// No early trigger.
+    pub const NONE: EarlyTrigger = EarlyTrigger { o: false, down: false };
+}
+
+/// The early triggers by default: both. On one H200 (session 47), alternating in one call
+/// against none: SmolLM2-135M 3004 / 3002 tok/s against 2873 / 2885 (+4.4%), Llama-3.2-1B
+/// 1482 / 1480 against 1475 / 1476 (+0.4%); in another call 3042 / 3043 / 3043 against 2884 /
+/// 2884 / 2882 (+5.5%) and 1491 / 1489 / 1490 against 1482 / 1479 / 1482 (+0.6%). The o
+/// projection alone gave 135M +1.7%, the down projection alone −0.5%.
+pub const EARLY_TRIGGER_DEFAULT: EarlyTrigger = EarlyTrigger { o: true, down: true };
+
+/// Parses `FERRUM_EARLY_TRIGGER` (see [`EarlyTrigger`]).
+pub fn early_trigger(value: Option<&str>) -> crate::Result<EarlyTrigger> {
+    let Some(v) = value else { return Ok(EARLY_TRIGGER_DEFAULT) };
+    let mut t = EarlyTrigger::NONE;
+    for item in v.split(',').map(str::trim).filter(|e| !e.is_empty() && *e != "0") {
+        match item {
+            "o" => t.o = true,
+            "down" => t.down = true,
+            _ => {
+                return Err(crate::Error::InvalidArgument(format!(
+                    "FERRUM_EARLY_TRIGGER={v:?}: unknown item {item:?} (expected o and down, comma-separated, or 0)"
+                )))
+            }
+        }
+    }
+    Ok(t)
+}
+
 /// Rows of one split the compact decode attention holds (attention.cu's `C64_ROWS`: 16 row
 /// slots of [`ATTN_EARLY_ROWS`] early rows).
 pub const ATTN_COMPACT_ROWS: usize = 16 * ATTN_EARLY_ROWS;
@@ -1007,6 +1056,21 @@ mod tests {
             for s in ["f16, f16", "bf16, bf16"] {
                 assert!(src.contains(&format!("FERRUM_ATTN_ROPE_HD({s}, {hd})")), "head dim {hd} ({s})");
             }
+        }
+    }
+
+    #[test]
+    fn early_trigger_knob() {
+        let none = EarlyTrigger::NONE;
+        assert_eq!(early_trigger(None).unwrap(), EARLY_TRIGGER_DEFAULT);
+        assert_eq!(EARLY_TRIGGER_DEFAULT, EarlyTrigger { o: true, down: true });
+        assert_eq!(early_trigger(Some("0")).unwrap(), none);
+        assert_eq!(early_trigger(Some("")).unwrap(), none);
+        assert_eq!(early_trigger(Some(" o , down ")).unwrap(), EarlyTrigger { o: true, down: true });
+        assert_eq!(early_trigger(Some("down")).unwrap(), EarlyTrigger { down: true, ..none });
+        for bad in ["o,up", "all", "1"] {
+            let e = early_trigger(Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("FERRUM_EARLY_TRIGGER") && e.contains("unknown item"), "{bad:?}: {e}");
         }
     }
 

@@ -46,9 +46,14 @@ pub enum StepTune {
 /// (session 37): SmolLM2-135M's step (~0.37 ms) is where the start-up tuning's per-GEMV timing
 /// misjudged a launch (the qkv flip, 381.6 -> 362.3 µs a step), and its tuning takes ~1.8 s
 /// (four windows, session 38) where the screened head's step gains 0.6-1%; Llama-3.2-1B's (~0.73 ms) kept every start-up choice in each of its tunings and took
-/// 1.6 s; Llama-3-8B's (~3.7 ms) is weight streaming, where the per-GEMV timing is what the
-/// step sees.
-pub const AUTO_MAX_STEP_S: f64 = 0.5e-3;
+/// 1.6 s (session 37) — until the o projection's early trigger (session 47): then one
+/// process in six took that projection as 4-row warps at start-up (timed 3.498 µs alone
+/// against 3.43–3.45 for the 2-row ones) and ran 1460.8 tok/s against 1488.9–1493.7, and
+/// the step tuning corrected it where it ran (683.5 -> 669.4 µs a step; six processes tuned
+/// with `FERRUM_STEP_TUNE=1` ran 1491.3–1493.7), so the limit went from 0.5 to 1 ms;
+/// Llama-3-8B's (~3.7 ms) is weight streaming, where the per-GEMV timing is what the step
+/// sees.
+pub const AUTO_MAX_STEP_S: f64 = 1.0e-3;
 
 /// The tuning sequence's prompt (tokens) and KV capacity (rows): the shape of issue 6's
 /// benchmark (a 128-token prompt, 256 new tokens). The attention's split count follows the

@@ -1340,6 +1340,81 @@ fn compact_attention_matches_the_generic_kernel_and_graphs_match_eager() {
     }
 }
 
+/// The early triggers (`set_early_trigger`, `plan::EarlyTrigger`: the o and down projections
+/// let the next kernel launch at their entry instead of after their wait) change when kernels
+/// start, never what they compute: graphed device-fed steps (programmatic launch inside the
+/// graph) bit-identical to eager host-fed steps without them, for the default (both), each
+/// alone, and none; on every architecture (Llama and Mistral take the compact attention at this
+/// shape, Qwen2 and Qwen3 the generic one), a 384-row cache in 6 splits as the bench runs; and
+/// with the screened head on (whose screen follows the last down projection), the same greedy
+/// device tokens as without the triggers. A profiled step counts the early-trigger launches
+/// (with programmatic launch: the sm_90 PTX), so the settings really ran.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn early_triggers_change_no_logit() {
+    use ferrum_cuda::plan::EarlyTrigger;
+    init();
+    const CAP: usize = 384;
+    const SPLITS: usize = 6;
+    const STEPS: usize = 16;
+    let none = EarlyTrigger::NONE;
+    let settings = [
+        ("the default", ferrum_cuda::plan::early_trigger(None).unwrap()),
+        ("o", EarlyTrigger { o: true, ..none }),
+        ("down", EarlyTrigger { down: true, ..none }),
+        ("none", none),
+    ];
+    assert_eq!(settings[0].1, EarlyTrigger { o: true, down: true }, "the default set");
+    for arch in ARCHS {
+        let cfg = config(arch, false, 2);
+        let w = weights(&cfg, 67);
+        let p = prompt(127, cfg.vocab_size, 3);
+        let start = |t: EarlyTrigger| {
+            let mut b = tp1(&w);
+            b.runner().set_early_trigger(t);
+            let l = b.prefill(&p, CAP).unwrap();
+            b.runner().set_attention_splits(0, SPLITS).unwrap();
+            (b, l)
+        };
+        let (mut e, l) = start(none);
+        let mut want = vec![l];
+        for _ in 0..STEPS {
+            let next = argmax(want.last().unwrap());
+            want.push(e.step(next).unwrap());
+        }
+        // Greedy device tokens with the screened head.
+        let screened = |t: EarlyTrigger| {
+            let mut b = tp1(&w);
+            b.runner().set_early_trigger(t);
+            assert!(b.runner().set_screened_head(true).unwrap(), "this shape has a screened head");
+            device_tokens(&mut b, &p, STEPS, CAP, DeviceSampling::Greedy)
+        };
+        let want_tokens = screened(none);
+        assert_eq!(want_tokens, want[1..].iter().map(|l| argmax(l)).collect::<Vec<_>>(), "{arch:?}: screened");
+        for (what, t) in settings {
+            let (mut g, l) = start(t);
+            assert_eq!(bits(&l), bits(&want[0]), "{arch:?} {what}: prefill logits");
+            g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
+            for (i, want) in want[1..].iter().enumerate() {
+                let got = g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+                let mut l = Vec::new();
+                g.runner().logits_to_host(&mut l).unwrap();
+                assert_eq!(bits(&l), bits(want), "{arch:?} {what}: graphed step {i} logits");
+                assert_eq!(got, vec![argmax(want)], "{arch:?} {what}: graphed step {i} token");
+            }
+            assert_eq!(screened(t), want_tokens, "{arch:?} {what}: screened greedy tokens");
+            let (mut b, l) = start(t);
+            let prof = b.profile_step(argmax(&l)).unwrap().expect("a CUDA backend profiles");
+            if b.runner().programmatic_launch() {
+                let et = prof.iter().filter(|(n, _)| n.contains("_res_et_")).count();
+                let per_layer = usize::from(t.o) + usize::from(t.down);
+                assert_eq!(et, cfg.num_layers * per_layer, "{arch:?} {what}: early-trigger launches a step");
+            }
+            println!("{arch:?}: early triggers ({what}) bit-identical over {STEPS} graphed steps");
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cluster_split_merge_is_bit_identical_to_the_ticket_and_combine_merges() {
@@ -1425,7 +1500,11 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     let attn_o =
         ["ferrum_attn_rope_o_hd64_bf16", "ferrum_attn_rope_early_o_hd64_bf16"].map(count).iter().sum::<usize>();
     assert_eq!(attn + attn_o, cfg.num_layers, "{prof:?}");
-    let res = count("ferrum_gemv_res_bf16") + count("ferrum_gemv4_res_bf16");
+    // (the `_res_et` ones with the early trigger, on the o and down projections by default)
+    let res = ["ferrum_gemv_res_bf16", "ferrum_gemv4_res_bf16", "ferrum_gemv_res_et_bf16", "ferrum_gemv4_res_et_bf16"]
+        .map(count)
+        .iter()
+        .sum::<usize>();
     let res_per_layer = if attn_o > 0 { 1 } else { 2 };
     assert_eq!(res, res_per_layer * cfg.num_layers, "one or two `_res` GEMVs a layer: {prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");

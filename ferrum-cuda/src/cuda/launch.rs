@@ -449,6 +449,9 @@ pub(crate) struct Kernels {
     /// `plan::attn_compact`). Not bit-identical to the generic kernel: its sums over warps and
     /// splits run in another order (a GPU test bounds the difference).
     pub(crate) attn_compact: bool,
+    /// Which one-GPU decode GEMVs let the next kernel launch before their wait
+    /// (`FERRUM_EARLY_TRIGGER`, default `plan::EARLY_TRIGGER_DEFAULT`).
+    pub(crate) early_trigger: crate::plan::EarlyTrigger,
     /// The GPU's opt-in shared memory a block (`cuFuncSetAttribute`'s limit; the poison
     /// kernel's size).
     pub(crate) smem_optin: u32,
@@ -629,6 +632,7 @@ impl Kernels {
         let fuse_o = crate::plan::attn_o(env("FERRUM_ATTN_O")?.as_deref())?;
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let attn_compact = crate::plan::attn_compact(env("FERRUM_ATTN_COMPACT")?.as_deref())?;
+        let early_trigger = crate::plan::early_trigger(env("FERRUM_EARLY_TRIGGER")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -716,6 +720,7 @@ impl Kernels {
             attn_tc_early,
             attn_head_dim_kernels,
             attn_compact,
+            ?early_trigger,
             ?carveout,
             ?attn_tc_carveout,
             "kernels loaded"
@@ -753,6 +758,7 @@ impl Kernels {
             fuse_o,
             attn_head_dim_kernels,
             attn_compact,
+            early_trigger,
             smem_optin: optin_bytes,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
@@ -1522,7 +1528,24 @@ impl Kernels {
         cols: usize,
         io: GemvIo<'_>,
     ) -> Result<()> {
-        self.gemv_as(y, w, x, rows, cols, io, rows)
+        self.gemv_as(y, w, x, rows, cols, io, false, rows)
+    }
+
+    /// [`gemv_io`](Self::gemv_io) of [`GemvIo::AddTo`] (the only fusion with such kernels)
+    /// with the early trigger when `early_trigger` (the `_res_et` kernels: the next kernel may
+    /// launch before this one's wait). The caller guarantees what common.cuh's early-trigger
+    /// note asks: the next kernel reads nothing before its wait but weights, and this one's
+    /// predecessor triggers after its own wait.
+    pub(crate) fn gemv_add_to(
+        &self,
+        y: Region<'_, f32>,
+        w: Region<'_, u16>,
+        x: Region<'_, f32>,
+        rows: usize,
+        cols: usize,
+        early_trigger: bool,
+    ) -> Result<()> {
+        self.gemv_as(y, w, x, rows, cols, GemvIo::AddTo, early_trigger, rows)
     }
 
     /// The variant and the lanes a row group of the plain / `_norm` GEMV of an `as_rows x cols`
@@ -1544,7 +1567,8 @@ impl Kernels {
     /// [`gemv_io`](Self::gemv_io) of some rows of a taller matrix, launched as the matrix's
     /// own GEMV (`as_rows` rows, `cols` columns) is: the same variant and split-K factor, so
     /// every row's dot product rounds exactly as in the whole product (a TP rank's LM head
-    /// rows under the vocab split).
+    /// rows under the vocab split). `early_trigger`: see [`gemv_add_to`](Self::gemv_add_to)
+    /// (refused with the other fusions).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv_as(
         &self,
@@ -1554,6 +1578,7 @@ impl Kernels {
         rows: usize,
         cols: usize,
         io: GemvIo<'_>,
+        early_trigger: bool,
         as_rows: usize,
     ) -> Result<()> {
         let py = y.need(rows, "gemv y")?;
@@ -1573,13 +1598,18 @@ impl Kernels {
             (16, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL16F16, Kernel::GemvNormL16Bf16)),
             _ => None,
         };
-        let k = short.unwrap_or(match (v.rows4, io) {
-            (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
-            (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
-            (false, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
-            (true, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
-            (false, GemvIo::AddTo) => pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16),
-            (true, GemvIo::AddTo) => pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16),
+        if early_trigger && (short.is_some() || !matches!(io, GemvIo::AddTo)) {
+            return Err(Error::Internal(format!("gemv: no early-trigger kernel for {io:?} ({lanes} lanes a row)")));
+        }
+        let k = short.unwrap_or(match (v.rows4, io, early_trigger) {
+            (false, GemvIo::Plain, _) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+            (true, GemvIo::Plain, _) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+            (false, GemvIo::Norm { .. }, _) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
+            (true, GemvIo::Norm { .. }, _) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
+            (false, GemvIo::AddTo, false) => pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16),
+            (true, GemvIo::AddTo, false) => pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16),
+            (false, GemvIo::AddTo, true) => pick(self.dtype, Kernel::GemvResEtF16, Kernel::GemvResEtBf16),
+            (true, GemvIo::AddTo, true) => pick(self.dtype, Kernel::Gemv4ResEtF16, Kernel::Gemv4ResEtBf16),
         });
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
@@ -1601,7 +1631,9 @@ impl Kernels {
         // must be complete before this launch and written by no later kernel: every weight is
         // a host upload (synchronised per chunk) or an init kernel followed by a stream
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
-        // never write weights.
+        // never write weights. The `_res_et` kernels make the same accesses; their early
+        // trigger only lets the next kernel launch sooner, which the caller allows
+        // (`gemv_add_to`).
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }

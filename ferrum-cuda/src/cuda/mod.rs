@@ -1472,7 +1472,8 @@ impl CudaDecodeRunner {
     /// the boundary between two steps is then a programmatic launch like the others. That is
     /// safe for the reason every boundary is (common.cuh): each kernel waits before it lets the
     /// next launch, so a kernel's pre-wait reads see every kernel but the one just before it
-    /// completed. The step's first kernel (the embedding) reads the token only after its wait,
+    /// completed (after an early-triggering o or down projection, every kernel but the two
+    /// before it: the kernel after one reads only weights before its wait). The step's first kernel (the embedding) reads the token only after its wait,
     /// and the two kernels that read the step buffer (the position) before their wait, the
     /// fused-RoPE decode attention and the tensor-core one, run at least two kernels after the
     /// embedding (embedding → [norm →] q/k/v projection [→ rope_qkv] → attention), so the
@@ -1782,6 +1783,15 @@ impl CudaDecodeRunner {
     #[doc(hidden)]
     pub fn set_attn_compact(&mut self, on: bool) {
         self.k.attn_compact = on;
+        self.generation += 1;
+    }
+
+    /// Which one-GPU decode GEMVs let the next kernel launch before their wait (as
+    /// `FERRUM_EARLY_TRIGGER` would at start-up; default `plan::EARLY_TRIGGER_DEFAULT`). The
+    /// same arithmetic whatever the setting. For tests and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_early_trigger(&mut self, t: crate::plan::EarlyTrigger) {
+        self.k.early_trigger = t;
         self.generation += 1;
     }
 
@@ -2276,6 +2286,16 @@ fn forward(
         _ => None,
     };
     let fw = fold_stride(s);
+    // The early triggers (plan::EarlyTrigger; common.cuh): the o projection lets gate|up launch,
+    // and the down projection the next q/k/v projection or the LM head, before their own wait
+    // (both read only weights before theirs; the kernels before the two GEMVs, the attention
+    // and gate|up, trigger after their wait). The one-GPU fused path only, without the o
+    // projection inside the attention (no o GEMV) or the fold (whose down GEMV feeds the next
+    // attention).
+    let et = match fold {
+        None if fused_norms && !fused_o => k.early_trigger,
+        _ => crate::plan::EarlyTrigger::NONE,
+    };
     // Layer li's residual x (`[hidden]`, one token on the fused path).
     let x_of = |li: usize| match fold {
         Some((_, buf)) => region(buf, st, (li % 2) * fw + inter, h),
@@ -2438,7 +2458,7 @@ fn forward(
             // x += W_o attn (unless the attention did it); h = silu·mul of W_gu (RMSNorm(x) *
             // mlp_norm); x += W_down h
             if !fused_o {
-                k.gemv_io(x_of(li)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, GemvIo::AddTo)?;
+                k.gemv_add_to(x_of(li)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, et.o)?;
             }
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
             let cur = (li % 2) * fw;
@@ -2458,7 +2478,7 @@ fn forward(
                     inter + h,
                     GemvIo::Plain,
                 )?,
-                None => k.gemv_io(x_of(li)?, whole(&lw.wdown, st)?, hr, h, inter, GemvIo::AddTo)?,
+                None => k.gemv_add_to(x_of(li)?, whole(&lw.wdown, st)?, hr, h, inter, et.down)?,
             }
             continue;
         }
@@ -2512,11 +2532,11 @@ fn forward(
     if fused_norms {
         // logits = W_head (RMSNorm(x) * final_norm)
         let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
-        return k.gemv_as(logits, head, x_of(w.layers.len() - 1)?, rn, h, norm, s.vocab);
+        return k.gemv_as(logits, head, x_of(w.layers.len() - 1)?, rn, h, norm, false, s.vocab);
     }
     let last = region(&a.y, st, (n - 1) * h, h)?;
     if p == Projection::Gemv {
-        return k.gemv_as(logits, head, last, rn, h, GemvIo::Plain, s.vocab);
+        return k.gemv_as(logits, head, last, rn, h, GemvIo::Plain, false, s.vocab);
     }
     project(k, p, logits, head, last, region(&a.xh, st, 0, h)?, rn, h, 1)
 }
