@@ -617,9 +617,10 @@ static_assert(ATTN_EARLY_ROWS * ATTN_MAX_WARPS * 16 <= ATTN_TILE, "early rows fi
 // No block of the launch reads cache row pos, so that write races with nothing.
 // ROPE also loads the position, the RoPE constants (and computes the angle) and up to
 // ATTN_EARLY_ROWS cache rows per slot (K and V) before the programmatic-launch wait, while
-// the QKV projection finishes. Why that is safe: every decode kernel waits
-// (griddepcontrol.wait) before it lets its dependent launch, so when this grid starts, every
-// kernel before the one it depends on has completed and its writes are visible. (A kernel that
+// the QKV projection finishes. Why that is safe: the kernel it depends on waits
+// (griddepcontrol.wait) before it lets its dependent launch (it is never an early-triggering
+// `_et` kernel: common.cuh), so when this grid starts, every kernel before that one has
+// completed and its writes are visible. (A kernel that
 // never signals, such as a cuBLAS GEMM on the cuBLAS decode path, counts as finished only when
 // it completes, which keeps the chain.) The kernel it depends on (the QKV projection, a GEMV
 // or a GEMM; with the folded q/k/v, the previous layer's down GEMV) writes neither the

@@ -47,7 +47,7 @@ typedef __nv_bfloat16 bf16;
 // the grid's first block was dispatched late or spent its pre-wait path on the critical path).
 // The atomics' results are unused (fire-and-forget reductions), so a stamp costs the block's
 // first thread a timer read and six reductions, and every thread a timer read before the wait
-// (FERRUM_PDL_ENTRY reads it before it knows which thread stamps).
+// (FERRUM_PDL_ENTRY and FERRUM_PDL_WAIT read it before they know which thread stamps).
 // Some kernels also stamp phases of their body (FERRUM_TL_PHASE below): the latest time a
 // stamped block's first thread reached phase k, complemented like last_not.
 #define FERRUM_TL_REPLAYS 64
@@ -131,10 +131,14 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
         ferrum_tl_stamp(ferrum_tl_on_, ferrum_tl_arrived_);                                        \
     } while (0)
 #define FERRUM_PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#define FERRUM_PDL_ENTRY() \
-    do {                   \
-        FERRUM_PDL_WAIT(); \
-        FERRUM_PDL_TRIGGER(); \
+// (the trigger before the timeline's stamp, so that the stamp never delays the next launch)
+#define FERRUM_PDL_ENTRY()                                                                         \
+    do {                                                                                           \
+        const unsigned ferrum_tl_on_ = FERRUM_TL_FLAG();                                           \
+        const unsigned long long ferrum_tl_arrived_ = FERRUM_TL_NOW();                             \
+        asm volatile("griddepcontrol.wait;" ::: "memory");                                         \
+        FERRUM_PDL_TRIGGER();                                                                      \
+        ferrum_tl_stamp(ferrum_tl_on_, ferrum_tl_arrived_);                                        \
     } while (0)
 #else
 #define FERRUM_HAS_PDL 0
@@ -155,8 +159,11 @@ __device__ __forceinline__ unsigned long long ferrum_tl_now() {
 // when it starts, only the kernels before the `_et` kernel's predecessor are known complete
 // (the predecessor itself has passed its wait, since it let the `_et` kernel launch only
 // then). So the host launches an `_et` kernel only where the next kernel reads nothing before
-// its wait but weights, and never two in a row (ferrum_cuda's forward pass: the o projection
-// before gate|up, the down projection before the next q/k/v projection or the LM head).
+// its wait but weights (the screened head's int8 copy counts: it is written at set-up only),
+// and never two in a row, nor just before a kernel whose pre-wait reads rely on the rule
+// above (ferrum_cuda's forward pass: the o projection before gate|up, the down projection
+// before the next q/k/v projection or the LM head; their predecessors, the attention or the
+// split combine, and gate|up, trigger after their wait).
 // Outside the timeline build the phase stamps compile to nothing.
 #ifndef FERRUM_TL_PHASE
 #undef FERRUM_TL_FLAG

@@ -157,9 +157,10 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     // RES: the writing lane's old values of y, loaded before the wait too, so that the
     // epilogue's read-modify-write costs no L2 round trip after the dot products. The caller
     // guarantees that the kernel launched just before this one does not write y (the decode
-    // step: the attention precedes the o projection, gate|up the down projection). Every
-    // decode kernel waits before it lets its dependent launch (common.cuh), so when this grid
-    // starts, every kernel before that one has completed and its writes to y are visible.
+    // step: the attention precedes the o projection, gate|up the down projection). That kernel
+    // waits before it lets this one launch (it is never an early-triggering `_et` kernel:
+    // common.cuh), so when this grid starts, every kernel before it has completed and its
+    // writes to y are visible.
     // Lane 0 of warp kw == 0 is the only thread that writes this warp's outputs, and it reads
     // them nowhere else, so the early value is the one the add would have read.
     float y_old[OUT];

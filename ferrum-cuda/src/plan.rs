@@ -448,7 +448,8 @@ pub fn attn_compact(value: Option<&str>) -> crate::Result<bool> {
 /// attention, gate|up (with the down projection's residual then loaded after its wait), the
 /// embedding and the screened head's kernels did not pay beside these two, so they are not
 /// kept.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// (No `Default`: unset means [`EARLY_TRIGGER_DEFAULT`], none is [`EarlyTrigger::NONE`].)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct EarlyTrigger {
     pub o: bool,
     pub down: bool,

@@ -1347,8 +1347,12 @@ fn compact_attention_matches_the_generic_kernel_and_graphs_match_eager() {
 /// alone, and none; on every architecture (Llama and Mistral take the compact attention at this
 /// shape, Qwen2 and Qwen3 the generic one), a 384-row cache in 6 splits as the bench runs; and
 /// with the screened head on (whose screen follows the last down projection), the same greedy
-/// device tokens as without the triggers. A profiled step counts the early-trigger launches
-/// (with programmatic launch: the sm_90 PTX), so the settings really ran.
+/// device tokens as without the triggers; and at a capacity that takes the tensor-core attention
+/// and its split combine (the 8k row's path). A profiled step counts the early-trigger launches
+/// where they belong (after the attention or the combine: the o projection; after gate|up: the
+/// down projection), and none with the fold or the o projection inside the attention (with
+/// programmatic launch: the sm_90 PTX). (Multi-step graphs run the default triggers in
+/// `multi_step_graphs_are_bit_identical_to_one_step_graphs`.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn early_triggers_change_no_logit() {
@@ -1406,13 +1410,81 @@ fn early_triggers_change_no_logit() {
             let (mut b, l) = start(t);
             let prof = b.profile_step(argmax(&l)).unwrap().expect("a CUDA backend profiles");
             if b.runner().programmatic_launch() {
-                let et = prof.iter().filter(|(n, _)| n.contains("_res_et_")).count();
-                let per_layer = usize::from(t.o) + usize::from(t.down);
-                assert_eq!(et, cfg.num_layers * per_layer, "{arch:?} {what}: early-trigger launches a step");
+                assert_eq!(
+                    et_launches(&prof),
+                    (cfg.num_layers * usize::from(t.o), cfg.num_layers * usize::from(t.down)),
+                    "{arch:?} {what}: early-trigger launches (o, down) a step: {prof:?}"
+                );
             }
             println!("{arch:?}: early triggers ({what}) bit-identical over {STEPS} graphed steps");
         }
+        // Where the triggers must not run: the fold (its down GEMV feeds the attention) and the
+        // o projection inside the attention (no o GEMV), when they apply to this shape.
+        for (what, fold) in [("the fold", true), ("the o fusion", false)] {
+            let mut b = tp1(&w);
+            if fold {
+                b.runner().set_folded_qkv(true).unwrap();
+            } else {
+                b.runner().set_attn_o(true);
+            }
+            let l = b.prefill(&p, CAP).unwrap();
+            b.runner().set_attention_splits(0, SPLITS).unwrap();
+            let prof = b.profile_step(argmax(&l)).unwrap().expect("a CUDA backend profiles");
+            let ran = prof.iter().any(|(n, _)| n.contains(if fold { "_fold_" } else { "_o_hd64_" }));
+            if ran {
+                assert_eq!(et_launches(&prof), (0, 0), "{arch:?} {what}: no early trigger: {prof:?}");
+            }
+            println!("{arch:?}: {what} {}", if ran { "ran without early triggers" } else { "does not apply" });
+        }
     }
+    // The tensor-core attention and its split combine (a cache of ATTN_TC_MIN_CAPACITY rows or
+    // more): the default triggers against none, graphed against eager, bit for bit.
+    let cfg = config(Arch::Llama, false, 2);
+    let w = weights(&cfg, 68);
+    let p = prompt(200, cfg.vocab_size, 3);
+    let cap = ferrum_cuda::plan::ATTN_TC_MIN_CAPACITY + 64;
+    let mut e = tp1(&w);
+    e.runner().set_early_trigger(none);
+    let mut want = vec![e.prefill(&p, cap).unwrap()];
+    for _ in 0..8 {
+        let next = argmax(want.last().unwrap());
+        want.push(e.step(next).unwrap());
+    }
+    let mut g = tp1(&w);
+    let l = g.prefill(&p, cap).unwrap();
+    g.rank().device_begin(0, argmax(&l), p.len()).unwrap();
+    for (i, want) in want[1..].iter().enumerate() {
+        g.rank().device_steps(0, p.len() + 1 + i, 1, DeviceSampling::Greedy).unwrap();
+        let mut l = Vec::new();
+        g.runner().logits_to_host(&mut l).unwrap();
+        assert_eq!(bits(&l), bits(want), "tensor-core attention: graphed step {i} logits");
+    }
+    let mut b = tp1(&w);
+    let l = b.prefill(&p, cap).unwrap();
+    let prof = b.profile_step(argmax(&l)).unwrap().expect("a CUDA backend profiles");
+    if b.runner().programmatic_launch() {
+        assert!(prof.iter().any(|(n, _)| n.contains("attn_gqa")), "the tensor-core attention ran: {prof:?}");
+        assert_eq!(et_launches(&prof), (cfg.num_layers, cfg.num_layers), "tensor-core attention: {prof:?}");
+    }
+    println!("tensor-core attention: the default early triggers bit-identical over 8 graphed steps");
+}
+
+/// The early-trigger `_res` GEMVs of a profiled step, as (o projections, down projections):
+/// those launched just after an attention or split-combine kernel, and just after gate|up.
+/// Any other place is a failure.
+fn et_launches(prof: &[(&str, f64)]) -> (usize, usize) {
+    let (mut o, mut down) = (0, 0);
+    for (i, (name, _)) in prof.iter().enumerate().filter(|(_, (n, _))| n.contains("_res_et_")) {
+        let before = if i > 0 { prof[i - 1].0 } else { "" };
+        if before.contains("_attn_") || before.contains("combine") {
+            o += 1;
+        } else if before.contains("gateup") {
+            down += 1;
+        } else {
+            panic!("{name} after {before:?}: {prof:?}");
+        }
+    }
+    (o, down)
 }
 
 #[test]

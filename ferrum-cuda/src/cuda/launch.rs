@@ -1458,8 +1458,8 @@ impl Kernels {
         // Before its programmatic-launch wait the kernel reads pos[0] (an L2 load) and, with
         // `early`, cache rows below pos[0]: the kernel it depends on (rope_qkv) writes
         // neither (it writes rows pos[0] .. pos[0] + n_tok - 1 and q), and the earlier writers
-        // completed before this grid started (every decode kernel waits before it lets its
-        // dependent launch). Extents checked above; one warp per block; dynamic shared memory
+        // completed before this grid started (rope_qkv waits before it lets its dependent
+        // launch: common.cuh). Extents checked above; one warp per block; dynamic shared memory
         // for `n_stages` tiles of this head dim (2..=6, fitted to attn_tc_smem_max, which the
         // load set as the kernel's allowance); signature (const f32*, int, const T*, const T*,
         // f32*, f32*, f32*, const u32*, int x4, float, int, int) matches.
@@ -1589,6 +1589,9 @@ impl Kernels {
             GemvIo::Plain | GemvIo::AddTo => (0u64, 0.0f32),
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
+        if early_trigger && !matches!(io, GemvIo::AddTo) {
+            return Err(Error::Internal(format!("gemv: the early trigger with {io:?} (the `_res` kernels only)")));
+        }
         let (v, lanes) = self.gemv_order(as_rows, cols)?;
         self.log_gemv((as_rows, cols, false));
         let short = match (lanes, io) {
@@ -1598,9 +1601,6 @@ impl Kernels {
             (16, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL16F16, Kernel::GemvNormL16Bf16)),
             _ => None,
         };
-        if early_trigger && (short.is_some() || !matches!(io, GemvIo::AddTo)) {
-            return Err(Error::Internal(format!("gemv: no early-trigger kernel for {io:?} ({lanes} lanes a row)")));
-        }
         let k = short.unwrap_or(match (v.rows4, io, early_trigger) {
             (false, GemvIo::Plain, _) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
             (true, GemvIo::Plain, _) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),

@@ -1473,7 +1473,8 @@ impl CudaDecodeRunner {
     /// safe for the reason every boundary is (common.cuh): each kernel waits before it lets the
     /// next launch, so a kernel's pre-wait reads see every kernel but the one just before it
     /// completed (after an early-triggering o or down projection, every kernel but the two
-    /// before it: the kernel after one reads only weights before its wait). The step's first kernel (the embedding) reads the token only after its wait,
+    /// before it: the kernel after one reads only weights before its wait; no such kernel lies
+    /// between the embedding and the first attention). The step's first kernel (the embedding) reads the token only after its wait,
     /// and the two kernels that read the step buffer (the position) before their wait, the
     /// fused-RoPE decode attention and the tensor-core one, run at least two kernels after the
     /// embedding (embedding → [norm →] q/k/v projection [→ rope_qkv] → attention), so the
@@ -2288,12 +2289,14 @@ fn forward(
     let fw = fold_stride(s);
     // The early triggers (plan::EarlyTrigger; common.cuh): the o projection lets gate|up launch,
     // and the down projection the next q/k/v projection or the LM head, before their own wait
-    // (both read only weights before theirs; the kernels before the two GEMVs, the attention
-    // and gate|up, trigger after their wait). The one-GPU fused path only, without the o
-    // projection inside the attention (no o GEMV) or the fold (whose down GEMV feeds the next
-    // attention).
+    // (both read only weights before theirs, the screen its int8 copy; the kernels before the
+    // two GEMVs, the attention or the split combine, and gate|up, trigger after their wait).
+    // The one-GPU fused path with programmatic launch only (without it the trigger compiles
+    // to nothing), without the fold (whose down GEMV feeds the next attention, which reads the
+    // position and the cache before its wait) and without the o projection inside the
+    // attention (no o GEMV there, and the down projection's trigger was not measured with it).
     let et = match fold {
-        None if fused_norms && !fused_o => k.early_trigger,
+        None if fused_norms && !fused_o && k.pdl => k.early_trigger,
         _ => crate::plan::EarlyTrigger::NONE,
     };
     // Layer li's residual x (`[hidden]`, one token on the fused path).
