@@ -209,7 +209,8 @@ FERRUM_PEER_ALL_REDUCE(bf16, bf16)
 // wait: the caller guarantees that the kernel launched just before this one does not write x
 // (the decode step: the o or down projection, which write delta), so every earlier writer of
 // x has completed when this grid starts (common.cuh: that kernel lets its dependents launch
-// only after its own wait; only the one-GPU step's o and down projections trigger early). Longer rows take peer_all_reduce and add_rmsnorm as they are.
+// only after its own wait; only the one-GPU step's o and down projections trigger early).
+// Longer rows take peer_all_reduce and add_rmsnorm as they are.
 #define PEER_NORM_PER 4
 
 // PUSHED: the `_push` GEMV before this kernel (gemv.cu) pushed delta's lines itself (peer.cuh),

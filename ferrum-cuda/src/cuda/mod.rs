@@ -1474,7 +1474,8 @@ impl CudaDecodeRunner {
     /// next launch, so a kernel's pre-wait reads see every kernel but the one just before it
     /// completed (after an early-triggering o or down projection, every kernel but the two
     /// before it: the kernel after one reads only weights before its wait; no such kernel lies
-    /// between the embedding and the first attention). The step's first kernel (the embedding) reads the token only after its wait,
+    /// between the embedding and the first attention). The step's first kernel (the
+    /// embedding) reads the token only after its wait,
     /// and the two kernels that read the step buffer (the position) before their wait, the
     /// fused-RoPE decode attention and the tensor-core one, run at least two kernels after the
     /// embedding (embedding → [norm →] q/k/v projection [→ rope_qkv] → attention), so the
