@@ -489,7 +489,12 @@ pub(crate) enum GemvIo<'a> {
     /// y's old values before its programmatic-launch wait, so the kernel launched just before
     /// it on the stream must not write y (in the decode step the attention precedes the o
     /// projection and gate|up the down projection; gemv.cu's `gemv` gives the argument).
-    AddTo,
+    ///
+    /// `early_trigger` launches the `_res_et` kernels: the next kernel may launch at this one's
+    /// entry, before its wait. The caller guarantees what common.cuh's early-trigger note asks:
+    /// the next kernel reads nothing before its wait but weights, and this one's predecessor
+    /// triggers after its own wait.
+    AddTo { early_trigger: bool },
 }
 
 /// How a batch-1 GEMV is launched: rows per warp (2 or 4), threads per block, and the split-K
@@ -1528,24 +1533,7 @@ impl Kernels {
         cols: usize,
         io: GemvIo<'_>,
     ) -> Result<()> {
-        self.gemv_as(y, w, x, rows, cols, io, false, rows)
-    }
-
-    /// [`gemv_io`](Self::gemv_io) of [`GemvIo::AddTo`] (the only fusion with such kernels)
-    /// with the early trigger when `early_trigger` (the `_res_et` kernels: the next kernel may
-    /// launch before this one's wait). The caller guarantees what common.cuh's early-trigger
-    /// note asks: the next kernel reads nothing before its wait but weights, and this one's
-    /// predecessor triggers after its own wait.
-    pub(crate) fn gemv_add_to(
-        &self,
-        y: Region<'_, f32>,
-        w: Region<'_, u16>,
-        x: Region<'_, f32>,
-        rows: usize,
-        cols: usize,
-        early_trigger: bool,
-    ) -> Result<()> {
-        self.gemv_as(y, w, x, rows, cols, GemvIo::AddTo, early_trigger, rows)
+        self.gemv_as(y, w, x, rows, cols, io, rows)
     }
 
     /// The variant and the lanes a row group of the plain / `_norm` GEMV of an `as_rows x cols`
@@ -1567,8 +1555,7 @@ impl Kernels {
     /// [`gemv_io`](Self::gemv_io) of some rows of a taller matrix, launched as the matrix's
     /// own GEMV (`as_rows` rows, `cols` columns) is: the same variant and split-K factor, so
     /// every row's dot product rounds exactly as in the whole product (a TP rank's LM head
-    /// rows under the vocab split). `early_trigger`: see [`gemv_add_to`](Self::gemv_add_to)
-    /// (refused with the other fusions).
+    /// rows under the vocab split).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn gemv_as(
         &self,
@@ -1578,7 +1565,6 @@ impl Kernels {
         rows: usize,
         cols: usize,
         io: GemvIo<'_>,
-        early_trigger: bool,
         as_rows: usize,
     ) -> Result<()> {
         let py = y.need(rows, "gemv y")?;
@@ -1586,12 +1572,9 @@ impl Kernels {
         let px = x.need(cols, "gemv x")?;
         let (pn, eps) = match io {
             GemvIo::Norm { w, eps } => (w.need(cols, "gemv norm weight")?, eps),
-            GemvIo::Plain | GemvIo::AddTo => (0u64, 0.0f32),
+            GemvIo::Plain | GemvIo::AddTo { .. } => (0u64, 0.0f32),
         };
         let (r, c) = (i32_of(rows, "rows")?, i32_of(cols, "cols")?);
-        if early_trigger && !matches!(io, GemvIo::AddTo) {
-            return Err(Error::Internal(format!("gemv: the early trigger with {io:?} (the `_res` kernels only)")));
-        }
         let (v, lanes) = self.gemv_order(as_rows, cols)?;
         self.log_gemv((as_rows, cols, false));
         let short = match (lanes, io) {
@@ -1601,15 +1584,23 @@ impl Kernels {
             (16, GemvIo::Norm { .. }) => Some(pick(self.dtype, Kernel::GemvNormL16F16, Kernel::GemvNormL16Bf16)),
             _ => None,
         };
-        let k = short.unwrap_or(match (v.rows4, io, early_trigger) {
-            (false, GemvIo::Plain, _) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
-            (true, GemvIo::Plain, _) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
-            (false, GemvIo::Norm { .. }, _) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
-            (true, GemvIo::Norm { .. }, _) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
-            (false, GemvIo::AddTo, false) => pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16),
-            (true, GemvIo::AddTo, false) => pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16),
-            (false, GemvIo::AddTo, true) => pick(self.dtype, Kernel::GemvResEtF16, Kernel::GemvResEtBf16),
-            (true, GemvIo::AddTo, true) => pick(self.dtype, Kernel::Gemv4ResEtF16, Kernel::Gemv4ResEtBf16),
+        let k = short.unwrap_or(match (v.rows4, io) {
+            (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
+            (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+            (false, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
+            (true, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
+            (false, GemvIo::AddTo { early_trigger: false }) => {
+                pick(self.dtype, Kernel::GemvResF16, Kernel::GemvResBf16)
+            }
+            (true, GemvIo::AddTo { early_trigger: false }) => {
+                pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16)
+            }
+            (false, GemvIo::AddTo { early_trigger: true }) => {
+                pick(self.dtype, Kernel::GemvResEtF16, Kernel::GemvResEtBf16)
+            }
+            (true, GemvIo::AddTo { early_trigger: true }) => {
+                pick(self.dtype, Kernel::Gemv4ResEtF16, Kernel::Gemv4ResEtBf16)
+            }
         });
         let mut b = self.builder(k);
         b.arg(&py).arg(&pw).arg(&px).arg(&r).arg(&c).arg(&pn).arg(&eps);
@@ -1633,7 +1624,7 @@ impl Kernels {
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
         // never write weights. The `_res_et` kernels make the same accesses; their early
         // trigger only lets the next kernel launch sooner, which the caller allows
-        // (`gemv_add_to`).
+        // (`GemvIo::AddTo`).
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }

@@ -2462,7 +2462,14 @@ fn forward(
             // x += W_o attn (unless the attention did it); h = silu·mul of W_gu (RMSNorm(x) *
             // mlp_norm); x += W_down h
             if !fused_o {
-                k.gemv_add_to(x_of(li)?, whole(&lw.wo, st)?, region(&a.attn, st, 0, q_dim)?, h, q_dim, et.o)?;
+                k.gemv_io(
+                    x_of(li)?,
+                    whole(&lw.wo, st)?,
+                    region(&a.attn, st, 0, q_dim)?,
+                    h,
+                    q_dim,
+                    GemvIo::AddTo { early_trigger: et.o },
+                )?;
             }
             let mlp_norm = Some((whole(&lw.mlp_norm, st)?, eps));
             let cur = (li % 2) * fw;
@@ -2482,7 +2489,9 @@ fn forward(
                     inter + h,
                     GemvIo::Plain,
                 )?,
-                None => k.gemv_add_to(x_of(li)?, whole(&lw.wdown, st)?, hr, h, inter, et.down)?,
+                None => {
+                    k.gemv_io(x_of(li)?, whole(&lw.wdown, st)?, hr, h, inter, GemvIo::AddTo { early_trigger: et.down })?
+                }
             }
             continue;
         }
@@ -2536,11 +2545,11 @@ fn forward(
     if fused_norms {
         // logits = W_head (RMSNorm(x) * final_norm)
         let norm = GemvIo::Norm { w: whole(&w.final_norm, st)?, eps };
-        return k.gemv_as(logits, head, x_of(w.layers.len() - 1)?, rn, h, norm, false, s.vocab);
+        return k.gemv_as(logits, head, x_of(w.layers.len() - 1)?, rn, h, norm, s.vocab);
     }
     let last = region(&a.y, st, (n - 1) * h, h)?;
     if p == Projection::Gemv {
-        return k.gemv_as(logits, head, last, rn, h, GemvIo::Plain, false, s.vocab);
+        return k.gemv_as(logits, head, last, rn, h, GemvIo::Plain, s.vocab);
     }
     project(k, p, logits, head, last, region(&a.xh, st, 0, h)?, rn, h, 1)
 }
