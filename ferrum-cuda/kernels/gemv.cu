@@ -97,9 +97,10 @@ template <int ROWS> struct GemvPrefetch {
 #define GEMV_MAX_KS 8
 
 // ET: the early trigger (common.cuh): the next kernel may launch as soon as this one's blocks
-// are all scheduled, before this one's wait.
+// are all scheduled, before this one's wait. PF_DIV: the chunks loaded before the wait are
+// GemvPrefetch's divided by it (the same chunks in the same order either way: bit-identical).
 template <typename T, int ROWS, bool GATEUP, bool NORM = false, bool RES = false, bool PUSH = false, int LPR = 32,
-          bool ET = false>
+          bool ET = false, int PF_DIV = 1>
 __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, const T *norm_w,
                      float eps, const PeerArgs *pa = nullptr) {
     if (ET) FERRUM_PDL_TRIGGER();
@@ -146,7 +147,8 @@ __device__ void gemv(float *y, const T *W, const float *x, int rows, int cols, c
     // are loaded now, before the wait
     // (weights are never written by a kernel of the decode stream: common.cuh), with
     // ldg_early so that they stay ahead of it.
-    constexpr int PF = GemvPrefetch<ROWS>::CHUNKS;
+    constexpr int PF = GemvPrefetch<ROWS>::CHUNKS / PF_DIV;
+    static_assert(PF >= 1, "at least one chunk before the wait");
     uint4 pre[PF][ROWS];
 #pragma unroll
     for (int u = 0; u < PF; ++u) {
@@ -363,6 +365,25 @@ FERRUM_GEMV(bf16, bf16)
 
 FERRUM_GEMV_ET(f16, f16)
 FERRUM_GEMV_ET(bf16, bf16)
+
+// Two-row gate|up `_norm` and early-trigger `_res` GEMVs with half the chunks loaded before
+// the wait (`_pfh`: 2 a lane instead of 4; plan::HalfPrefetch, FERRUM_GEMV_PF_HALF): 46-48
+// registers instead of 60-64, so 40 warps fit a multiprocessor instead of 32 (ptx --check
+// prints the counts). The same chunks in the same order as the other kernels: bit-identical.
+#define FERRUM_GEMV_PFH(S, T)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_gateup_norm_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,  \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, true, true, false, false, 32, false, 2>(y, W, x, rows, cols, norm_w, eps);      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_res_et_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,       \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, false, false, true, false, 32, true, 2>(y, W, x, rows, cols, norm_w, eps);      \
+    }
+
+FERRUM_GEMV_PFH(f16, f16)
+FERRUM_GEMV_PFH(bf16, bf16)
 
 // Short rows (plan::gemv_lanes_per_row): two rows per row group, LPR lanes per group.
 #define FERRUM_GEMV_LANES(S, T, L)                                                                 \

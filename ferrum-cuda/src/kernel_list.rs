@@ -139,6 +139,10 @@ kernels! {
     GemvGateUpNormBf16 => "ferrum_gemv_gateup_norm_bf16" in "gemv",
     Gemv4GateUpNormF16 => "ferrum_gemv4_gateup_norm_f16" in "gemv",
     Gemv4GateUpNormBf16 => "ferrum_gemv4_gateup_norm_bf16" in "gemv",
+    /// The two-row gate|up `_norm` GEMV with half the chunks loaded before its wait
+    /// (`plan::HalfPrefetch`).
+    GemvGateUpNormPfhF16 => "ferrum_gemv_gateup_norm_pfh_f16" in "gemv",
+    GemvGateUpNormPfhBf16 => "ferrum_gemv_gateup_norm_pfh_bf16" in "gemv",
     /// Batch-1 projection added into its output (the residual add fused in).
     GemvResF16 => "ferrum_gemv_res_f16" in "gemv",
     GemvResBf16 => "ferrum_gemv_res_bf16" in "gemv",
@@ -148,6 +152,9 @@ kernels! {
     /// before this one's wait; common.cuh says where).
     GemvResEtF16 => "ferrum_gemv_res_et_f16" in "gemv",
     GemvResEtBf16 => "ferrum_gemv_res_et_bf16" in "gemv",
+    /// The two-row one with half the chunks loaded before its wait (`plan::HalfPrefetch`).
+    GemvResEtPfhF16 => "ferrum_gemv_res_et_pfh_f16" in "gemv",
+    GemvResEtPfhBf16 => "ferrum_gemv_res_et_pfh_bf16" in "gemv",
     Gemv4ResEtF16 => "ferrum_gemv4_res_et_f16" in "gemv",
     Gemv4ResEtBf16 => "ferrum_gemv4_res_et_bf16" in "gemv",
     /// The plain GEMV (2 or 4 rows per warp) that also pushes its outputs, a TP rank's partial,

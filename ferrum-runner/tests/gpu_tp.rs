@@ -855,6 +855,9 @@ fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
     }
 }
 
+/// Every GEMV launch variant gives the same logits, bit for bit, and so do the two-row
+/// variants' half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`) against the
+/// usual ones; a profiled step shows the half-prefetch kernels where they are meant to run.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemv_variants_are_bit_identical() {
@@ -870,15 +873,29 @@ fn gemv_variants_are_bit_identical() {
         let w = weights(&cfg, 31);
         let p = prompt(40, cfg.vocab_size, 9);
         let mut want = None;
-        for v in 0..4 {
+        // Variants 0 and 1 are the two-row ones, which take the half-prefetch kernels by
+        // default (plan::HalfPrefetch): with and without them.
+        let halves = [ferrum_cuda::plan::half_prefetch(None).unwrap(), ferrum_cuda::plan::HalfPrefetch::NONE];
+        for (v, half) in (0..4).flat_map(|v| halves.map(|h| (v, h))) {
             let mut b = tp1(&w);
             let choices = b.runner().gemv_choices();
             assert_eq!(choices.len(), 5, "{choices:?}");
             b.runner().force_gemv_variant(v);
+            b.runner().set_half_prefetch(half);
             let got: Vec<Vec<u32>> = host_logits(&mut b, &p, 16, 64).iter().map(|l| bits(l)).collect();
+            if v < 2 && b.runner().programmatic_launch() {
+                // The half-prefetch kernels ran where they should (the o and down projections
+                // take the early-trigger `_res` kernels on this fused one-GPU path).
+                let prof = b.profile_step(0).unwrap().expect("a CUDA backend profiles");
+                let pfh = |k: &str| prof.iter().filter(|(n, _)| n.contains(k)).count();
+                let layers = cfg.num_layers;
+                let on = usize::from(half.gateup) * layers;
+                assert_eq!(pfh("gemv_gateup_norm_pfh_"), on, "{arch:?} variant {v} {half:?}: {prof:?}");
+                assert_eq!(pfh("gemv_res_et_pfh_"), 2 * usize::from(half.res) * layers, "{arch:?} {half:?}: {prof:?}");
+            }
             match &want {
                 None => want = Some(got),
-                Some(w) => assert!(w == &got, "{arch:?}: GEMV variant {v} differs from variant 0"),
+                Some(w) => assert!(w == &got, "{arch:?}: GEMV variant {v} with {half:?} differs from variant 0"),
             }
         }
     }
@@ -1572,11 +1589,9 @@ fn kernel_profile_names_every_launch_and_changes_nothing() {
     let attn_o =
         ["ferrum_attn_rope_o_hd64_bf16", "ferrum_attn_rope_early_o_hd64_bf16"].map(count).iter().sum::<usize>();
     assert_eq!(attn + attn_o, cfg.num_layers, "{prof:?}");
-    // (the `_res_et` ones with the early trigger, on the o and down projections by default)
-    let res = ["ferrum_gemv_res_bf16", "ferrum_gemv4_res_bf16", "ferrum_gemv_res_et_bf16", "ferrum_gemv4_res_et_bf16"]
-        .map(count)
-        .iter()
-        .sum::<usize>();
+    // (every form: two- or four-row, with the early trigger (`_res_et`, the o and down
+    // projections by default) and half the early loads (`_res_et_pfh`, two-row by default))
+    let res = prof.iter().filter(|(k, _)| k.starts_with("ferrum_gemv") && k.contains("_res")).count();
     let res_per_layer = if attn_o > 0 { 1 } else { 2 };
     assert_eq!(res, res_per_layer * cfg.num_layers, "one or two `_res` GEMVs a layer: {prof:?}");
     assert!(prof.iter().all(|(_, us)| us.is_finite() && *us >= 0.0), "{prof:?}");

@@ -452,6 +452,9 @@ pub(crate) struct Kernels {
     /// Which one-GPU decode GEMVs let the next kernel launch before their wait
     /// (`FERRUM_EARLY_TRIGGER`, default `plan::EARLY_TRIGGER_DEFAULT`).
     pub(crate) early_trigger: crate::plan::EarlyTrigger,
+    /// Which two-row GEMVs load half their usual chunks before their wait
+    /// (`FERRUM_GEMV_PF_HALF`, default `plan::HALF_PREFETCH_DEFAULT`). Bit-identical.
+    pub(crate) half_prefetch: crate::plan::HalfPrefetch,
     /// The GPU's opt-in shared memory a block (`cuFuncSetAttribute`'s limit; the poison
     /// kernel's size).
     pub(crate) smem_optin: u32,
@@ -638,6 +641,7 @@ impl Kernels {
         let attn_head_dim_kernels = crate::plan::attn_head_dim_kernels(env("FERRUM_ATTN_HD_KERNELS")?.as_deref())?;
         let attn_compact = crate::plan::attn_compact(env("FERRUM_ATTN_COMPACT")?.as_deref())?;
         let early_trigger = crate::plan::early_trigger(env("FERRUM_EARLY_TRIGGER")?.as_deref())?;
+        let half_prefetch = crate::plan::half_prefetch(env("FERRUM_GEMV_PF_HALF")?.as_deref())?;
         let mut modules = Vec::new();
         for (name, text) in set {
             let m = ctx
@@ -726,6 +730,7 @@ impl Kernels {
             attn_head_dim_kernels,
             attn_compact,
             ?early_trigger,
+            ?half_prefetch,
             ?carveout,
             ?attn_tc_carveout,
             "kernels loaded"
@@ -764,6 +769,7 @@ impl Kernels {
             attn_head_dim_kernels,
             attn_compact,
             early_trigger,
+            half_prefetch,
             smem_optin: optin_bytes,
             marks: RefCell::new(None),
             last_merge: Cell::new("none"),
@@ -1595,6 +1601,9 @@ impl Kernels {
             (true, GemvIo::AddTo { early_trigger: false }) => {
                 pick(self.dtype, Kernel::Gemv4ResF16, Kernel::Gemv4ResBf16)
             }
+            (false, GemvIo::AddTo { early_trigger: true }) if self.half_prefetch.res => {
+                pick(self.dtype, Kernel::GemvResEtPfhF16, Kernel::GemvResEtPfhBf16)
+            }
             (false, GemvIo::AddTo { early_trigger: true }) => {
                 pick(self.dtype, Kernel::GemvResEtF16, Kernel::GemvResEtBf16)
             }
@@ -1710,6 +1719,9 @@ impl Kernels {
         let k = match (v.rows4, norm.is_some()) {
             (false, false) => pick(self.dtype, Kernel::GemvGateUpF16, Kernel::GemvGateUpBf16),
             (true, false) => pick(self.dtype, Kernel::Gemv4GateUpF16, Kernel::Gemv4GateUpBf16),
+            (false, true) if self.half_prefetch.gateup => {
+                pick(self.dtype, Kernel::GemvGateUpNormPfhF16, Kernel::GemvGateUpNormPfhBf16)
+            }
             (false, true) => pick(self.dtype, Kernel::GemvGateUpNormF16, Kernel::GemvGateUpNormBf16),
             (true, true) => pick(self.dtype, Kernel::Gemv4GateUpNormF16, Kernel::Gemv4GateUpNormBf16),
         };

@@ -1788,6 +1788,15 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
+    /// Which two-row GEMVs load half their usual chunks before their wait (as
+    /// `FERRUM_GEMV_PF_HALF` would at start-up; default `plan::HALF_PREFETCH_DEFAULT`). The same
+    /// arithmetic whatever the setting. For tests and A/B benchmarks.
+    #[doc(hidden)]
+    pub fn set_half_prefetch(&mut self, t: crate::plan::HalfPrefetch) {
+        self.k.half_prefetch = t;
+        self.generation += 1;
+    }
+
     /// Which one-GPU decode GEMVs let the next kernel launch before their wait (as
     /// `FERRUM_EARLY_TRIGGER` would at start-up; default `plan::EARLY_TRIGGER_DEFAULT`). The
     /// same arithmetic whatever the setting. For tests and A/B benchmarks.
