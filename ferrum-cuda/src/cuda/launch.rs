@@ -1631,7 +1631,8 @@ impl Kernels {
         // must be complete before this launch and written by no later kernel: every weight is
         // a host upload (synchronised per chunk) or an init kernel followed by a stream
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
-        // never write weights. The `_res_et` kernels make the same accesses; their early
+        // never write weights. The `_res_et` kernels (and their `_pfh` forms, which only load
+        // fewer of the same chunks before the wait) make the same accesses; their early
         // trigger only lets the next kernel launch sooner, which the caller allows
         // (`GemvIo::AddTo`).
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
@@ -1734,7 +1735,8 @@ impl Kernels {
         // (the `_norm` kernels also the dtype norm weight over cols; null and unread
         // otherwise), and writes the f32 h[i] for i < inter; extents checked above; signature
         // (f32*, const T*, const f32*, int, int, const T*, float) matches; alignment as for
-        // `gemv_io`; W complete before the launch, as there (read before the wait).
+        // `gemv_io`; W complete before the launch, as there (read before the wait; the `_pfh`
+        // kernel loads fewer of the same chunks there).
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv_gateup"))?;
         Ok(())
     }
