@@ -14,6 +14,8 @@
 //   not write y: see gemv()).
 // - `_res_et`: `_res` with the early trigger (common.cuh): the next kernel may launch before
 //   this one's wait (plan::EarlyTrigger; the o and down projections of the one-GPU step).
+// - `_pfh` (two-row gate|up `_norm` and `_res_et`): half the chunks loaded before the wait
+//   (plan::HalfPrefetch), for fewer registers.
 // And one for tensor parallelism over a peer group (peer.cuh):
 // - `_push`: y is this rank's partial of an all-reduce that the next kernel completes
 //   (ferrum_peer_add_rmsnorm_pushed_*); the lane that stores outputs o, o + 1 also pushes them,
@@ -84,7 +86,7 @@ __device__ __forceinline__ unsigned ld_cg_u32(const unsigned *p) {
 }
 
 // Chunks per lane loaded before the programmatic-launch wait, while the previous kernel
-// finishes: 8 16-byte loads per lane either way. The main loop keeps as many in flight (unrolled
+// finishes: 8 16-byte loads per lane either way (the `_pfh` kernels: 4, gemv's PF_DIV). The main loop keeps as many in flight (unrolled
 // 4 times with 2 rows, twice with 4: more makes ptxas spill, which `cargo xtask ptx --check`
 // refuses).
 template <int ROWS> struct GemvPrefetch {

@@ -855,9 +855,12 @@ fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
     }
 }
 
-/// Every GEMV launch variant gives the same logits, bit for bit, and so do the two-row
-/// variants' half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`) against the
-/// usual ones; a profiled step shows the half-prefetch kernels where they are meant to run.
+/// Every GEMV launch variant gives the same logits, bit for bit, with and without the two-row
+/// variants' half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`), and a profiled
+/// step shows those kernels where they are meant to run. (At this width a lane has at most two
+/// chunks of a row, so both prefetch forms load the same ones: that the half-prefetch kernels
+/// compute the four-row kernels' results where they do differ is ferrum-cuda's
+/// `gemv_variants_are_bit_identical_at_every_split`, up to 8192 columns.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemv_variants_are_bit_identical() {
@@ -891,7 +894,11 @@ fn gemv_variants_are_bit_identical() {
                 let layers = cfg.num_layers;
                 let on = usize::from(half.gateup) * layers;
                 assert_eq!(pfh("gemv_gateup_norm_pfh_"), on, "{arch:?} variant {v} {half:?}: {prof:?}");
-                assert_eq!(pfh("gemv_res_et_pfh_"), 2 * usize::from(half.res) * layers, "{arch:?} {half:?}: {prof:?}");
+                assert_eq!(
+                    pfh("gemv_res_et_pfh_"),
+                    2 * usize::from(half.res) * layers,
+                    "{arch:?} variant {v} {half:?}: {prof:?}"
+                );
             }
             match &want {
                 None => want = Some(got),
