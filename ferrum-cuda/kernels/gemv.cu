@@ -14,8 +14,8 @@
 //   not write y: see gemv()).
 // - `_res_et`: `_res` with the early trigger (common.cuh): the next kernel may launch before
 //   this one's wait (plan::EarlyTrigger; the o and down projections of the one-GPU step).
-// - `_pfh` (two-row gate|up `_norm` and `_res_et`): half the chunks loaded before the wait
-//   (plan::HalfPrefetch), for fewer registers.
+// - `_pfh` (two-row gate|up `_norm` and `_res_et`, `_norm` in both row forms): half the chunks
+//   loaded before the wait (plan::HalfPrefetch), for fewer registers or fewer early loads.
 // And one for tensor parallelism over a peer group (peer.cuh):
 // - `_push`: y is this rank's partial of an all-reduce that the next kernel completes
 //   (ferrum_peer_add_rmsnorm_pushed_*); the lane that stores outputs o, o + 1 also pushes them,
@@ -368,10 +368,13 @@ FERRUM_GEMV(bf16, bf16)
 FERRUM_GEMV_ET(f16, f16)
 FERRUM_GEMV_ET(bf16, bf16)
 
-// Two-row gate|up `_norm` and early-trigger `_res` GEMVs with half the chunks loaded before
-// the wait (`_pfh`: 2 a lane instead of 4; plan::HalfPrefetch, FERRUM_GEMV_PF_HALF): 46-48
-// registers instead of 60-64, so 40 warps fit a multiprocessor instead of 32 (ptx --check
-// prints the counts). The same chunks in the same order as the other kernels: bit-identical.
+// GEMVs with half the chunks loaded before the wait (`_pfh`; plan::HalfPrefetch,
+// FERRUM_GEMV_PF_HALF). Two-row gate|up `_norm`, early-trigger `_res` and `_norm`: 2 a lane
+// instead of 4, 46-48 registers instead of 60-64, so 40 warps fit a multiprocessor instead of
+// 32. Four-row `_norm` (the q/k/v projection of Llama-3.2-1B and 8B): 1 a lane instead of 2,
+// 62 registers instead of 64 (the same allocation): fewer early loads beside the down
+// projection before it. ptx --check prints the counts. The same chunks in the same order as
+// the other kernels: bit-identical.
 #define FERRUM_GEMV_PFH(S, T)                                                                      \
     extern "C" __global__ void __launch_bounds__(256)                                              \
         ferrum_gemv_gateup_norm_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,  \
@@ -382,6 +385,16 @@ FERRUM_GEMV_ET(bf16, bf16)
         ferrum_gemv_res_et_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,       \
                           const T *norm_w, float eps) {                                            \
         gemv<T, 2, false, false, true, false, 32, true, 2>(y, W, x, rows, cols, norm_w, eps);      \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv_norm_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,         \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 2, false, true, false, false, 32, false, 2>(y, W, x, rows, cols, norm_w, eps);     \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                              \
+        ferrum_gemv4_norm_pfh_##S(float *y, const T *W, const float *x, int rows, int cols,        \
+                          const T *norm_w, float eps) {                                            \
+        gemv<T, 4, false, true, false, false, 32, false, 2>(y, W, x, rows, cols, norm_w, eps);     \
     }
 
 FERRUM_GEMV_PFH(f16, f16)

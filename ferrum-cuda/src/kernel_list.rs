@@ -157,6 +157,11 @@ kernels! {
     GemvResEtPfhBf16 => "ferrum_gemv_res_et_pfh_bf16" in "gemv",
     Gemv4ResEtF16 => "ferrum_gemv4_res_et_f16" in "gemv",
     Gemv4ResEtBf16 => "ferrum_gemv4_res_et_bf16" in "gemv",
+    /// The `_norm` GEMVs with half the chunks loaded before their wait (`plan::HalfPrefetch`).
+    GemvNormPfhF16 => "ferrum_gemv_norm_pfh_f16" in "gemv",
+    GemvNormPfhBf16 => "ferrum_gemv_norm_pfh_bf16" in "gemv",
+    Gemv4NormPfhF16 => "ferrum_gemv4_norm_pfh_f16" in "gemv",
+    Gemv4NormPfhBf16 => "ferrum_gemv4_norm_pfh_bf16" in "gemv",
     /// The plain GEMV (2 or 4 rows per warp) that also pushes its outputs, a TP rank's partial,
     /// into the peer group's receive slots (the first step of the peer all-reduce).
     GemvPushF16 => "ferrum_gemv_push_f16" in "gemv",

@@ -492,38 +492,50 @@ fn item_flags<const N: usize>(var: &str, value: &str, items: [&str; N]) -> crate
     Ok(on)
 }
 
-/// Which two-row GEMVs of the one-GPU decode step load half their usual chunks before their
-/// programmatic-launch wait (gemv.cu's `_pfh` kernels: 2 a lane instead of 4, so they take
-/// 46–48 registers instead of 60–64 and 40 warps fit a multiprocessor instead of 32, beside
-/// the kernels they overlap): `gateup` (the fused gate|up `_norm` GEMV) and `res` (the
-/// early-triggering `_res` GEMV, the o and down projections). Only where the start-up tuning
-/// chose two-row warps for the shape (the four-row kernels keep theirs: half cost Llama-3.2-1B
-/// 0.9% on its four-row gate|up, session 48 call 6). `FERRUM_GEMV_PF_HALF`: a comma list of
-/// `gateup` and `res`, `0` or empty for none; unset: [`HALF_PREFETCH_DEFAULT`]. The same chunks
-/// in the same order, so the logits do not change.
+/// Which GEMVs of the one-GPU decode step load half their usual chunks before their
+/// programmatic-launch wait (gemv.cu's `_pfh` kernels; the same chunks in the same order, so
+/// the logits do not change):
+/// - `gateup`, the fused gate|up `_norm` GEMV, and `res`, the early-triggering `_res` GEMV (the
+///   o and down projections), where the tuning chose two-row warps for the shape: 2 chunks a
+///   lane instead of 4, so they take 46–48 registers instead of 60–64 and 40 warps fit a
+///   multiprocessor instead of 32, beside the kernels they overlap. Their four-row kernels keep
+///   all their chunks (half cost Llama-3.2-1B 0.9% on its four-row gate|up, session 48 call 6;
+///   on top of `norm`, 1.1% there and 0.3% on its four-row o and down projections, session 49
+///   calls 2–3).
+/// - `norm`, the `_norm` GEMV (the q/k/v projection), in both row forms: two-row 2 chunks a
+///   lane instead of 4 (48 registers instead of 60–64), four-row 1 instead of 2 (62 registers
+///   instead of 64: the same allocation, so what changes is only the loads its early blocks
+///   put beside the down projection before it, which they slow).
+///
+/// `FERRUM_GEMV_PF_HALF`: a comma list of `gateup`, `res` and `norm`, `0` or empty for none;
+/// unset: [`HALF_PREFETCH_DEFAULT`].
 /// (No `Default`: unset means [`HALF_PREFETCH_DEFAULT`], none is [`HalfPrefetch::NONE`].)
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HalfPrefetch {
     pub gateup: bool,
     pub res: bool,
+    pub norm: bool,
 }
 
 impl HalfPrefetch {
     /// Every GEMV loads its usual chunks before its wait.
-    pub const NONE: HalfPrefetch = HalfPrefetch { gateup: false, res: false };
+    pub const NONE: HalfPrefetch = HalfPrefetch { gateup: false, res: false, norm: false };
 }
 
-/// Half the early chunks by default for both. On one H200 (session 48 call 7), alternating in
-/// one call, SmolLM2-135M (whose gate|up, o and down projections the tuning launches as
-/// two-row warps): 3119 / 3112 / 3121 tok/s against 2995 / 3004 / 3006 with none (+3.8%);
-/// `gateup` alone 3096 / 3093 / 3096, `res` alone 3054 / 3058 / 3056.
-pub const HALF_PREFETCH_DEFAULT: HalfPrefetch = HalfPrefetch { gateup: true, res: true };
+/// Half the early chunks by default for all three. On one H200, alternating in one call:
+/// session 48 call 7, SmolLM2-135M (whose gate|up, o and down projections the tuning launches
+/// as two-row warps), `gateup,res` 3119 / 3112 / 3121 tok/s against 2995 / 3004 / 3006 with
+/// none (+3.8%; `gateup` alone 3096 / 3093 / 3096, `res` alone 3054 / 3058 / 3056). Session 49
+/// call 3, `norm` added to `gateup,res`: SmolLM2-135M (two-row q/k/v) 3172 / 3179 / 3174
+/// against 3125 / 3119 / 3119 (+1.7%), Llama-3.2-1B (four-row q/k/v) 1507 / 1506 / 1510
+/// against 1490 / 1490 / 1488 (+1.2%), Llama-3-8B 264 / 264 against 265 / 265 (−0.4%).
+pub const HALF_PREFETCH_DEFAULT: HalfPrefetch = HalfPrefetch { gateup: true, res: true, norm: true };
 
 /// Parses `FERRUM_GEMV_PF_HALF` (see [`HalfPrefetch`]).
 pub fn half_prefetch(value: Option<&str>) -> crate::Result<HalfPrefetch> {
     let Some(v) = value else { return Ok(HALF_PREFETCH_DEFAULT) };
-    let [gateup, res] = item_flags("FERRUM_GEMV_PF_HALF", v, ["gateup", "res"])?;
-    Ok(HalfPrefetch { gateup, res })
+    let [gateup, res, norm] = item_flags("FERRUM_GEMV_PF_HALF", v, ["gateup", "res", "norm"])?;
+    Ok(HalfPrefetch { gateup, res, norm })
 }
 
 /// Rows of one split the compact decode attention holds (attention.cu's `C64_ROWS`: 16 row
@@ -1105,12 +1117,13 @@ mod tests {
     fn half_prefetch_knob() {
         let none = HalfPrefetch::NONE;
         assert_eq!(half_prefetch(None).unwrap(), HALF_PREFETCH_DEFAULT);
-        assert_eq!(HALF_PREFETCH_DEFAULT, HalfPrefetch { gateup: true, res: true });
+        assert_eq!(HALF_PREFETCH_DEFAULT, HalfPrefetch { gateup: true, res: true, norm: true });
         assert_eq!(half_prefetch(Some("0")).unwrap(), none);
         assert_eq!(half_prefetch(Some("")).unwrap(), none);
-        assert_eq!(half_prefetch(Some(" res , gateup ")).unwrap(), HALF_PREFETCH_DEFAULT);
+        assert_eq!(half_prefetch(Some(" res , gateup,norm ")).unwrap(), HALF_PREFETCH_DEFAULT);
+        assert_eq!(half_prefetch(Some("norm")).unwrap(), HalfPrefetch { norm: true, ..none });
         assert_eq!(half_prefetch(Some("gateup")).unwrap(), HalfPrefetch { gateup: true, ..none });
-        for bad in ["gate", "all", "1", "res,o"] {
+        for bad in ["gate", "all", "1", "res,o", "norm4"] {
             let e = half_prefetch(Some(bad)).unwrap_err().to_string();
             assert!(e.contains("FERRUM_GEMV_PF_HALF") && e.contains("unknown item"), "{bad:?}: {e}");
         }

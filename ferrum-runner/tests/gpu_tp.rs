@@ -855,11 +855,11 @@ fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
     }
 }
 
-/// Every GEMV launch variant gives the same logits, bit for bit, with and without the two-row
-/// variants' half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`), and a profiled
-/// step shows those kernels where they are meant to run. (At this width a lane has at most two
-/// chunks of a row, so both prefetch forms load the same ones: that the half-prefetch kernels
-/// compute the four-row kernels' results where they do differ is ferrum-cuda's
+/// Every GEMV launch variant gives the same logits, bit for bit, with and without the
+/// half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`), and a profiled step shows
+/// those kernels where they are meant to run. (At this width a lane has at most two chunks of a
+/// row, so both prefetch forms load the same ones: that the half-prefetch kernels compute the
+/// other kernels' results where they do differ is ferrum-cuda's
 /// `gemv_variants_are_bit_identical_at_every_split`, up to 8192 columns.)
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -876,8 +876,9 @@ fn gemv_variants_are_bit_identical() {
         let w = weights(&cfg, 31);
         let p = prompt(40, cfg.vocab_size, 9);
         let mut want = None;
-        // Variants 0 and 1 are the two-row ones, which take the half-prefetch kernels by
-        // default (plan::HalfPrefetch): with and without them.
+        // Variants 0 and 1 are the two-row ones, which take the gate|up and `_res`
+        // half-prefetch kernels by default (plan::HalfPrefetch); the `_norm` GEMV takes them in
+        // every variant: with and without them.
         let halves = [ferrum_cuda::plan::half_prefetch(None).unwrap(), ferrum_cuda::plan::HalfPrefetch::NONE];
         for (v, half) in (0..4).flat_map(|v| halves.map(|h| (v, h))) {
             let mut b = tp1(&w);
@@ -886,19 +887,37 @@ fn gemv_variants_are_bit_identical() {
             b.runner().force_gemv_variant(v);
             b.runner().set_half_prefetch(half);
             let got: Vec<Vec<u32>> = host_logits(&mut b, &p, 16, 64).iter().map(|l| bits(l)).collect();
-            if v < 2 && b.runner().programmatic_launch() {
+            if b.runner().programmatic_launch() {
                 // The half-prefetch kernels ran where they should (the o and down projections
-                // take the early-trigger `_res` kernels on this fused one-GPU path).
+                // take the early-trigger `_res` kernels on this fused one-GPU path, the q/k/v
+                // projection a `_norm` GEMV).
                 let prof = b.profile_step(0).unwrap().expect("a CUDA backend profiles");
                 let pfh = |k: &str| prof.iter().filter(|(n, _)| n.contains(k)).count();
-                let layers = cfg.num_layers;
-                let on = usize::from(half.gateup) * layers;
+                let (layers, two_row) = (cfg.num_layers, usize::from(v < 2));
+                let on = usize::from(half.gateup) * layers * two_row;
                 assert_eq!(pfh("gemv_gateup_norm_pfh_"), on, "{arch:?} variant {v} {half:?}: {prof:?}");
                 assert_eq!(
                     pfh("gemv_res_et_pfh_"),
-                    2 * usize::from(half.res) * layers,
+                    2 * usize::from(half.res) * layers * two_row,
                     "{arch:?} variant {v} {half:?}: {prof:?}"
                 );
+                // Every `_norm` GEMV (q/k/v; the LM head's too when it is one) in the form the
+                // setting names, in both row forms (the short-row kernels have no such form).
+                let norm = |n: &str| {
+                    (n.starts_with("ferrum_gemv_norm_") || n.starts_with("ferrum_gemv4_norm_"))
+                        && !n.contains("_l8_")
+                        && !n.contains("_l16_")
+                };
+                let (with, without) = prof.iter().filter(|(n, _)| norm(n)).fold((0, 0), |(a, b), (n, _)| {
+                    if n.contains("_pfh_") {
+                        (a + 1, b)
+                    } else {
+                        (a, b + 1)
+                    }
+                });
+                let want = if half.norm { (with, 0) } else { (0, without) };
+                assert_eq!((with, without), want, "{arch:?} variant {v} {half:?}: {prof:?}");
+                assert!(with + without >= layers, "{arch:?} variant {v}: a `_norm` q/k/v a layer: {prof:?}");
             }
             match &want {
                 None => want = Some(got),

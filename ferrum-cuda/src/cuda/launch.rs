@@ -1593,6 +1593,12 @@ impl Kernels {
         let k = short.unwrap_or(match (v.rows4, io) {
             (false, GemvIo::Plain) => pick(self.dtype, Kernel::GemvF16, Kernel::GemvBf16),
             (true, GemvIo::Plain) => pick(self.dtype, Kernel::Gemv4F16, Kernel::Gemv4Bf16),
+            (false, GemvIo::Norm { .. }) if self.half_prefetch.norm => {
+                pick(self.dtype, Kernel::GemvNormPfhF16, Kernel::GemvNormPfhBf16)
+            }
+            (true, GemvIo::Norm { .. }) if self.half_prefetch.norm => {
+                pick(self.dtype, Kernel::Gemv4NormPfhF16, Kernel::Gemv4NormPfhBf16)
+            }
             (false, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::GemvNormF16, Kernel::GemvNormBf16),
             (true, GemvIo::Norm { .. }) => pick(self.dtype, Kernel::Gemv4NormF16, Kernel::Gemv4NormBf16),
             (false, GemvIo::AddTo { early_trigger: false }) => {
@@ -1631,10 +1637,10 @@ impl Kernels {
         // must be complete before this launch and written by no later kernel: every weight is
         // a host upload (synchronised per chunk) or an init kernel followed by a stream
         // synchronize (`CudaDecodeRunner::finish`, `time_projection`), and decode kernels
-        // never write weights. The `_res_et` kernels (and their `_pfh` forms, which only load
-        // fewer of the same chunks before the wait) make the same accesses; their early
-        // trigger only lets the next kernel launch sooner, which the caller allows
-        // (`GemvIo::AddTo`).
+        // never write weights. The `_pfh` kernels (`_norm` and `_res_et`) make their plain
+        // forms' accesses, fewer of the same chunks before the wait. The `_res_et` kernels make
+        // the `_res` ones'; their early trigger only lets the next kernel launch sooner, which
+        // the caller allows (`GemvIo::AddTo`).
         unsafe { b.launch(cfg_2d((grid, 1, 1), v.block_dim())) }.map_err(Error::driver("gemv"))?;
         Ok(())
     }
