@@ -502,7 +502,8 @@ fn item_flags<const N: usize>(var: &str, value: &str, items: [&str; N]) -> crate
 ///   all their chunks (half cost Llama-3.2-1B 0.9% on its four-row gate|up, session 48 call 6;
 ///   on top of `norm`, 1.1% there and 0.3% on its four-row o and down projections, session 49
 ///   calls 2–3).
-/// - `norm`, the `_norm` GEMV (the q/k/v projection), in both row forms: two-row 2 chunks a
+/// - `norm`, the `_norm` GEMV (the q/k/v projection, and the LM head's where the whole head
+///   runs: sampling, `--full-head`; not measured there), in both row forms: two-row 2 chunks a
 ///   lane instead of 4 (48 registers instead of 60–64), four-row 1 instead of 2 (62 registers
 ///   instead of 64: the same allocation, so what changes is only the loads its early blocks
 ///   put beside the down projection before it, which they slow).
@@ -528,7 +529,8 @@ impl HalfPrefetch {
 /// none (+3.8%; `gateup` alone 3096 / 3093 / 3096, `res` alone 3054 / 3058 / 3056). Session 49
 /// call 3, `norm` added to `gateup,res`: SmolLM2-135M (two-row q/k/v) 3172 / 3179 / 3174
 /// against 3125 / 3119 / 3119 (+1.7%), Llama-3.2-1B (four-row q/k/v) 1507 / 1506 / 1510
-/// against 1490 / 1490 / 1488 (+1.2%), Llama-3-8B 264 / 264 against 265 / 265 (−0.4%).
+/// against 1490 / 1490 / 1488 (+1.2%), Llama-3-8B 264 / 264 against 265 / 265 (−0.5%:
+/// 264.1 against 265.4 unrounded).
 pub const HALF_PREFETCH_DEFAULT: HalfPrefetch = HalfPrefetch { gateup: true, res: true, norm: true };
 
 /// Parses `FERRUM_GEMV_PF_HALF` (see [`HalfPrefetch`]).

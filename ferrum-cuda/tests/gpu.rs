@@ -1330,10 +1330,11 @@ fn exact_stripe_splits_match_reference() {
 /// of 256 to 8192 columns (2600: no multiple of a warp's 256-column stripe), row counts that
 /// are no multiple of a 4-row warp (vocabularies 1001 and 999), the fused (`_norm`, `_res`,
 /// gate|up with the norm) and unfused (plain, gate|up) kernels, both dtypes; with the fusions,
-/// each variant with and without the half-prefetch kernels (`plan::HalfPrefetch`), and
-/// "wide2k" with Llama-3.2-1B's q/k/v shape, where the four-row `_norm` GEMV's two forms load a
-/// lane's chunks differently. On a GPU with another multiprocessor count the splits differ and
-/// the split assertion says so.
+/// each variant with and without the half-prefetch kernels (`plan::HalfPrefetch`): "wide2k"
+/// has Llama-3.2-1B's q/k/v shape, where the four-row `_norm` GEMV's two forms load a lane's
+/// chunks differently, and "wide4k" a wider one, where the two-row forms do too (every other
+/// `_norm` shape here leaves a lane at most two chunks). On a GPU with another multiprocessor
+/// count the splits differ and the split assertions say so.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemv_variants_are_bit_identical_at_every_split() {
@@ -1341,17 +1342,23 @@ fn gemv_variants_are_bit_identical_at_every_split() {
     let deep = Arch { name: "wide-mlp", bias: false, inter: 8192, layers: 1, ..wide };
     let odd = Arch { name: "odd", head_dim: 64, hidden: 256, inter: 2600, vocab: 999, tied: true, ..LLAMA };
     let wide4 = Arch { name: "wide4", heads: 16, hidden: 1024, inter: 1024, layers: 1, ..wide };
-    // Llama-3.2-1B's q/k/v shape (3072 x 2048 at split-K 4): a lane holds two chunks of a row,
-    // so the four-row `_norm` GEMV's half prefetch (one chunk before the wait, not two) loads
-    // them otherwise than its full form. Its split-K factors are not asserted.
+    // Llama-3.2-1B's q/k/v shape (3072 x 2048 at split-K 4; the LM head, 1001 x 2048, at 8): a
+    // lane holds two chunks of a q/k/v row, so the four-row `_norm` GEMV's half prefetch (one
+    // chunk before the wait, not two) loads them otherwise than its full form.
     let wide2k = Arch { name: "wide2k", heads: 32, kv_heads: 8, hidden: 2048, inter: 1024, layers: 1, ..wide };
+    // A q/k/v of 6144 x 4096 (split-K 2 on an H200: eight chunks a lane), so the two-row forms
+    // (two chunks before the wait, not four) differ too.
+    let wide4k = Arch { name: "wide4k", heads: 64, kv_heads: 16, hidden: 4096, inter: 1024, layers: 1, ..wide };
     let mut failures = Vec::new();
-    for (a, splits) in [
-        (wide, Some(vec!["2", "4"])),
-        (deep, Some(vec!["1", "2", "8"])),
-        (odd, Some(vec!["1", "4"])),
-        (wide4, Some(vec!["4"])),
-        (wide2k, None),
+    // (model, its split-K factors, the q/k/v shape `(rows, cols)` and the fewest chunks of a row
+    // a lane must hold there)
+    for (a, splits, qkv) in [
+        (wide, vec!["2", "4"], None),
+        (deep, vec!["1", "2", "8"], None),
+        (odd, vec!["1", "4"], None),
+        (wide4, vec!["4"], None),
+        (wide2k, vec!["4", "8"], Some((3072, 2048, 2))),
+        (wide4k, vec!["2", "4"], Some((6144, 4096, 3))),
     ] {
         for dtype in [DType::BF16, DType::F16] {
             for fusion in [Fusion::ALL, Fusion::NONE] {
@@ -1360,8 +1367,7 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                 let mut rng = Rng(17);
                 let toks: Vec<u32> = (0..24).map(|_| rng.below(s.vocab)).collect();
                 let mut want: Option<Vec<Vec<u32>>> = None;
-                let want_ks: Option<std::collections::BTreeSet<&str>> =
-                    splits.as_ref().map(|s| s.iter().copied().collect());
+                let want_ks: std::collections::BTreeSet<&str> = splits.iter().copied().collect();
                 // With the fusions, each variant with and without the half-prefetch kernels
                 // (plan::HalfPrefetch: the `_norm` GEMV's in every variant, gate|up's and the
                 // `_res` ones' in the two-row variants); without them there are no such
@@ -1378,11 +1384,16 @@ fn gemv_variants_are_bit_identical_at_every_split() {
                     // "{rows}x{block}/k{ks}[/l{lanes}]" per shape.
                     let ks: std::collections::BTreeSet<&str> =
                         choices.iter().filter_map(|c| c.3.split("/k").nth(1)?.split('/').next()).collect();
-                    if let Some(want_ks) = &want_ks {
-                        assert_eq!(&ks, want_ks, "{}: split-K factors {choices:?}", a.name);
-                    }
-                    if v == 0 && half == plan::HALF_PREFETCH_DEFAULT {
-                        println!("VARIANTS {} {}: split-K factors {ks:?}", a.name, dtype.name());
+                    assert_eq!(ks, want_ks, "{}: split-K factors {choices:?}", a.name);
+                    if let Some((rows, cols, min_chunks)) = qkv {
+                        let c = choices.iter().find(|c| (c.0, c.1, c.2) == (rows, cols, false));
+                        let k: usize =
+                            c.and_then(|c| c.3.split("/k").nth(1)?.split('/').next()?.parse().ok()).unwrap_or(0);
+                        assert!(
+                            k > 0 && cols / 8 / (32 * k) >= min_chunks,
+                            "{}: the q/k/v shape {rows} x {cols} at split-K {k} leaves a lane fewer than {min_chunks} chunks: {choices:?}",
+                            a.name
+                        );
                     }
                     let id = 100 + v as u64;
                     r.init_sequence(id, toks.len() + 16).unwrap();

@@ -857,9 +857,9 @@ fn tp2_synthetic_shards_are_slices_of_the_tp1_model() {
 
 /// Every GEMV launch variant gives the same logits, bit for bit, with and without the
 /// half-prefetch kernels (`set_half_prefetch`, `plan::HalfPrefetch`), and a profiled step shows
-/// those kernels where they are meant to run. (At this width a lane has at most two chunks of a
-/// row, so both prefetch forms load the same ones: that the half-prefetch kernels compute the
-/// other kernels' results where they do differ is ferrum-cuda's
+/// those kernels where they are meant to run. (At this width a lane has one chunk of a row, so
+/// both prefetch forms load the same one: that the half-prefetch kernels compute the other
+/// kernels' results where they do differ is ferrum-cuda's
 /// `gemv_variants_are_bit_identical_at_every_split`, up to 8192 columns.)
 #[test]
 #[ignore = "needs a CUDA GPU"]

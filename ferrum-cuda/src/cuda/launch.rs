@@ -452,7 +452,7 @@ pub(crate) struct Kernels {
     /// Which one-GPU decode GEMVs let the next kernel launch before their wait
     /// (`FERRUM_EARLY_TRIGGER`, default `plan::EARLY_TRIGGER_DEFAULT`).
     pub(crate) early_trigger: crate::plan::EarlyTrigger,
-    /// Which two-row GEMVs load half their usual chunks before their wait
+    /// Which GEMVs load half their usual chunks before their wait
     /// (`FERRUM_GEMV_PF_HALF`, default `plan::HALF_PREFETCH_DEFAULT`). Bit-identical.
     pub(crate) half_prefetch: crate::plan::HalfPrefetch,
     /// The GPU's opt-in shared memory a block (`cuFuncSetAttribute`'s limit; the poison

@@ -1788,7 +1788,7 @@ impl CudaDecodeRunner {
         self.generation += 1;
     }
 
-    /// Which two-row GEMVs load half their usual chunks before their wait (as
+    /// Which GEMVs load half their usual chunks before their wait (as
     /// `FERRUM_GEMV_PF_HALF` would at start-up; default `plan::HALF_PREFETCH_DEFAULT`). The same
     /// arithmetic whatever the setting. For tests and A/B benchmarks.
     #[doc(hidden)]
