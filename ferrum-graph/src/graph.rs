@@ -374,12 +374,30 @@ impl std::fmt::Debug for CapturedGraph {
 
 impl Drop for CapturedGraph {
     fn drop(&mut self) {
+        // The held values may own buffers that an in-flight replay still uses, and replays run
+        // on any stream: freeing them now (e.g. cudarc's `cuMemFreeAsync` on the buffer's own
+        // stream, which is not ordered after a replay on another one) would let the replay touch
+        // freed memory. So wait for the replays first. Synchronising the context costs nothing
+        // on the hot path, unlike recording an event after every replay, and needs no stream
+        // handle (`replay` borrows its stream, which may be gone by now); it also waits for
+        // unrelated work, but only here, when a graph holding values is dropped (a cold path).
+        // If it fails, leak the values: a leak is better than a use-after-free on the GPU.
+        if !self.keep.is_empty() {
+            if let Err(e) = self.ctx.synchronize() {
+                tracing::warn!(
+                    error = %e,
+                    held = self.keep.len(),
+                    "could not wait for the graph's replays before releasing its held values: leaking them"
+                );
+                std::mem::forget(std::mem::take(&mut self.keep));
+            }
+        }
         // In-flight replays complete: the driver frees an executing graph after it finishes.
         // SAFETY: `exec` was instantiated by `capture` and is destroyed exactly once, here.
         if let Err(e) = unsafe { cudarc::driver::result::graph::exec_destroy(self.exec) } {
             tracing::warn!(error = %e, "cuGraphExecDestroy failed (ignored)");
         }
-        // Then the graph (OwnedGraph's Drop), then the context reference.
+        // Then the graph (OwnedGraph's Drop), then the held values and the context reference.
         self.graph.take();
     }
 }
@@ -520,7 +538,14 @@ impl CapturedGraph {
             .map_err(driver_err("cuGraphLaunch"))
     }
 
-    /// Keeps `value` alive as long as the graph (e.g. an `Arc` of the buffers it references).
+    /// Keeps `value` alive as long as the graph (e.g. an `Arc` of the buffers it references),
+    /// and until its replays have finished on the device: dropping a graph that holds values
+    /// first synchronises its context (whatever streams it was replayed on), and leaks the values
+    /// if that fails. That wait has no time limit and covers all of the context's work (it also
+    /// makes the context current on the dropping thread): a graph holding values whose replays
+    /// could be stuck, e.g. on an NCCL collective waiting for a dead peer, must be dropped only
+    /// after that communicator was aborted, and not by the thread that is to abort it
+    /// (`ncclCommAbort` in turn waits for the graphs that captured its work to be released).
     pub fn hold<T: Send + 'static>(&mut self, value: T) {
         self.keep.push(Box::new(value));
     }

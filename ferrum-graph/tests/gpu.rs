@@ -28,6 +28,12 @@ extern "C" __global__ void shift(float* y, const unsigned* p, int n) {
 extern "C" __global__ void accumulate(const unsigned* p, unsigned* acc) {
     if (threadIdx.x == 0 && blockIdx.x == 0) { acc[0] += p[1]; acc[1] += 1; }
 }
+extern "C" __global__ void slow_fill(float* y, int n, long long cycles, float v) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) {}
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = v;
+}
 "#;
 
 struct Gpu {
@@ -36,6 +42,7 @@ struct Gpu {
     scale_add: CudaFunction,
     shift: CudaFunction,
     accumulate: CudaFunction,
+    slow_fill: CudaFunction,
 }
 
 fn gpu() -> Gpu {
@@ -52,6 +59,7 @@ fn gpu() -> Gpu {
         scale_add: module.load_function("scale_add").unwrap(),
         shift: module.load_function("shift").unwrap(),
         accumulate: module.load_function("accumulate").unwrap(),
+        slow_fill: module.load_function("slow_fill").unwrap(),
         ctx,
         stream,
     }
@@ -346,4 +354,53 @@ fn graph_cache_recaptures_only_when_buffers_change() {
     assert_eq!((stats.captures, stats.hits), (2, 18));
     assert!(cache.invalidate(&ka).is_some());
     println!("graph cache over 20 steps and 2 buffer sets: {stats:?}");
+}
+
+/// A held buffer outlives a replay on another stream than its own: dropping the graph waits for
+/// the replay before the buffer is freed (it used to be freed at once, by a `cuMemFreeAsync` on
+/// the buffer's stream, which is not ordered after the other stream's replay).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dropping_a_graph_waits_for_its_replays_before_releasing_held_buffers() {
+    let g = gpu();
+    let s = g.stream.clone();
+    let other = g.ctx.new_stream().unwrap();
+    let n = 4096usize; // one wave of blocks: the kernel takes `cycles` once
+    let cycles: i64 = 300_000_000; // ~0.15 s at 2 GHz
+    let mut y = s.alloc_zeros::<f32>(n).unwrap();
+    let y_ptr = y.device_ptr(&s).0;
+    let mut graph = CapturedGraph::capture(&s, |scope| {
+        let mut b = scope.stream().launch_builder(&g.slow_fill);
+        let (n32, v) = (n as i32, 7.0f32);
+        b.arg(&mut y).arg(&n32).arg(&cycles).arg(&v);
+        unsafe { b.launch(cfg(n)) }?;
+        Ok::<_, DriverError>(())
+    })
+    .unwrap();
+    // How long one replay takes.
+    graph.replay(&other).unwrap();
+    let t = Instant::now();
+    other.synchronize().unwrap();
+    let replay_time = t.elapsed();
+    assert!(replay_time.as_millis() >= 20, "the slow kernel took only {replay_time:?}");
+
+    graph.hold(y);
+    s.synchronize().unwrap();
+    graph.replay(&other).unwrap();
+    let t = Instant::now();
+    drop(graph);
+    let drop_time = t.elapsed();
+    // Memory freed on `s` may be handed out again at once, ordered only after the free.
+    let z = s.alloc_zeros::<f32>(n).unwrap();
+    let reused = z.device_ptr(&s).0 == y_ptr;
+    let t = Instant::now();
+    other.synchronize().unwrap();
+    let still_running = t.elapsed();
+    let got = s.clone_dtoh(&z).unwrap();
+    println!(
+        "replay {replay_time:?}; drop waited {drop_time:?}; replay still running after drop: {still_running:?}; \
+         freed buffer reused: {reused}"
+    );
+    assert!(drop_time >= replay_time / 2, "drop returned after {drop_time:?}, before the replay ended");
+    assert!(got.iter().all(|&x| x == 0.0), "the replay wrote into the held buffer after it was freed");
 }

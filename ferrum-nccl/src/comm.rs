@@ -419,8 +419,10 @@ impl NcclRank {
     }
 
     /// One rank of a `world_size`-rank communicator, on `ctx`'s device, from rank 0's id
-    /// (`ncclCommInitRank`). Blocks until every rank joined (NCCL's bootstrap has its own
-    /// timeouts).
+    /// (`ncclCommInitRank`). Blocks until every rank joined. **Known limit:** NCCL's bootstrap
+    /// has no timeout of its own, so a rank that never joins (not started, crashed after
+    /// fetching the id, launched with another world size) leaves the live ranks waiting here;
+    /// a bounded initialisation is written on branch `wip/s50-gpu-untested`, not yet run on a GPU.
     pub fn init_rank(ctx: &Arc<CudaContext>, rank: usize, world_size: usize, id: &UniqueId) -> Result<NcclRank> {
         ensure_libs()?;
         if world_size == 0 || rank >= world_size {

@@ -90,6 +90,17 @@ pub enum RendezvousError {
         /// What went wrong.
         reason: String,
     },
+    /// The id file was written for a world of another size than this rank's (ranks launched
+    /// with different world sizes).
+    #[error("rendezvous id file {path} is for a world of {theirs} ranks, but this rank was started with a world of {ours} (launch every rank with the same world size)")]
+    WorldSizeMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The world size in the file.
+        theirs: usize,
+        /// This rank's world size.
+        ours: usize,
+    },
     /// An I/O error (file system, sockets).
     #[error("rendezvous I/O error while {what}: {source}")]
     Io {

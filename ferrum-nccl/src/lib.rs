@@ -33,7 +33,7 @@ mod error;
 pub mod rendezvous;
 
 pub use error::{Error, RendezvousError, Result};
-pub use rendezvous::{Publication, Rendezvous, RendezvousOptions, ID_LEN};
+pub use rendezvous::{IdFile, Publication, Rendezvous, RendezvousOptions, ID_LEN};
 
 #[cfg(feature = "cuda")]
 mod comm;

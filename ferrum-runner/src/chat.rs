@@ -10,7 +10,19 @@
 //!
 //! The template sees `messages` (a list of `{role, content}` maps), `add_generation_prompt`,
 //! `bos_token` and `eos_token`.
+//!
+//! A template comes from the model file, so rendering is limited: it may run
+//! [`TEMPLATE_FUEL_BASE`] instructions plus [`TEMPLATE_FUEL_PER_MESSAGE`] per message (nested
+//! loops could otherwise run for hours) and write [`TEMPLATE_OUTPUT_BASE`] bytes plus
+//! [`TEMPLATE_OUTPUT_PER_INPUT_BYTE`] per byte of its inputs. Past either it fails with
+//! [`Error::ChatTemplate`]. MiniJinja itself caps `range` at 100,000 items and a repeated
+//! string (`"x" * n`) at 100 MB. **Memory is not limited:** MiniJinja has no memory budget,
+//! and values built inside the template (`~` concatenation doubling a string in a loop, `{% set
+//! %}` captures) cost little fuel and never pass through the output cap, so a hostile template
+//! can still exhaust memory in a few dozen instructions. Use templates from model files you
+//! trust, or pass `--chat` only with them.
 
+use std::io;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use minijinja::value::{Kwargs, Value};
@@ -45,10 +57,21 @@ impl ChatMessage {
     }
 }
 
+/// Instructions any render may run. Real chat templates run a few dozen per message; a
+/// million takes well under a second.
+pub const TEMPLATE_FUEL_BASE: u64 = 1_000_000;
+/// Further instructions per message.
+pub const TEMPLATE_FUEL_PER_MESSAGE: u64 = 10_000;
+/// Bytes any render may write.
+pub const TEMPLATE_OUTPUT_BASE: usize = 1 << 20;
+/// Further bytes per byte of the messages, BOS and EOS texts (a template may repeat them, say
+/// as text and again as JSON).
+pub const TEMPLATE_OUTPUT_PER_INPUT_BYTE: usize = 4;
+
 /// Renders `messages` with the Jinja chat `template` (see the [module documentation](self)).
 ///
 /// Errors with [`Error::ChatTemplate`] when the template is empty, does not parse, calls
-/// `raise_exception`, or fails while rendering.
+/// `raise_exception`, fails while rendering, or runs past its instruction or output budget.
 pub fn render_chat(
     template: &str,
     messages: &[ChatMessage],
@@ -59,15 +82,55 @@ pub fn render_chat(
     if template.trim().is_empty() {
         return Err(Error::ChatTemplate("the chat template is empty".to_string()));
     }
-    let env = environment();
+    let fuel = TEMPLATE_FUEL_BASE.saturating_add(TEMPLATE_FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64));
+    let input_bytes = messages
+        .iter()
+        .map(|m| m.role.len().saturating_add(m.content.len()))
+        .fold(bos_token.len().saturating_add(eos_token.len()), usize::saturating_add);
+    let max_output = TEMPLATE_OUTPUT_BASE.saturating_add(input_bytes.saturating_mul(TEMPLATE_OUTPUT_PER_INPUT_BYTE));
+
+    let mut env = environment();
+    env.set_fuel(Some(fuel));
     let tmpl = env.template_from_str(template).map_err(|e| template_error("invalid chat template", &e))?;
-    tmpl.render(minijinja::context! {
-        messages => messages,
-        add_generation_prompt => add_generation_prompt,
-        bos_token => bos_token,
-        eos_token => eos_token,
-    })
-    .map_err(|e| template_error("rendering the chat template failed", &e))
+    let mut out = CappedOutput { buf: Vec::new(), max: max_output, overflowed: false };
+    let rendered = tmpl.render_captured_to(
+        minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => bos_token,
+            eos_token => eos_token,
+        },
+        &mut out,
+    );
+    if out.overflowed {
+        return Err(Error::ChatTemplate(format!("the chat template wrote more than {max_output} bytes")));
+    }
+    rendered.map_err(|e| template_error("rendering the chat template failed", &e))?;
+    // MiniJinja writes whole `str`s, so the bytes are UTF-8; checked all the same.
+    String::from_utf8(out.buf).map_err(|e| Error::ChatTemplate(format!("the chat template wrote invalid UTF-8: {e}")))
+}
+
+/// The render's output, refusing (with an I/O error, which stops the render) any write that
+/// would take it past `max` bytes.
+struct CappedOutput {
+    buf: Vec<u8>,
+    max: usize,
+    overflowed: bool,
+}
+
+impl io::Write for CappedOutput {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        if data.len() > self.max.saturating_sub(self.buf.len()) {
+            self.overflowed = true;
+            return Err(io::Error::other("chat template output limit reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 fn template_error(what: &str, e: &minijinja::Error) -> Error {
@@ -75,6 +138,9 @@ fn template_error(what: &str, e: &minijinja::Error) -> Error {
         if let Some(msg) = e.detail().and_then(|d| d.strip_prefix(RAISED)) {
             return Error::ChatTemplate(format!("the chat template raised an exception: {msg}"));
         }
+    }
+    if e.kind() == ErrorKind::OutOfFuel {
+        return Error::ChatTemplate("the chat template ran out of its instruction budget (runaway loop?)".to_string());
     }
     let mut msg = format!("{what}: {e}");
     let mut source = std::error::Error::source(e);

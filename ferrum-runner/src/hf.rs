@@ -309,9 +309,13 @@ struct Shard {
 impl Shard {
     fn open(path: &Path) -> Result<Shard> {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: the map is read-only and private to this loader; like every memory-mapped
-        // loader we rely on the file not being truncated while the model loads (that would
-        // fault, not corrupt memory safety of the data we copy out).
+        // SAFETY: `Mmap::map` is unsafe because the slice it returns is only sound while no
+        // one writes to or truncates the file, which this process cannot enforce against other
+        // processes: a write changes bytes behind a `&[u8]` (undefined behaviour) and a
+        // truncation raises SIGBUS on the next read past the new end. We rely on the
+        // precondition documented on `load_hf_dir` (the files are not modified while the model
+        // loads, as every memory-mapping loader does), never write through the read-only map,
+        // and drop it when the load ends. Tensor offsets are checked against its length.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let (header_len, meta) = safetensors::SafeTensors::read_metadata(&mmap)
             .map_err(|e| Error::Corrupt { path: path.to_path_buf(), detail: format!("safetensors header: {e}") })?;
@@ -434,11 +438,15 @@ impl WeightSource for HfSource {
 }
 
 /// Loads an HF folder. `WeightFormat::Quantized` loads dense f32.
+///
+/// The safetensors files are memory-mapped while they load. Precondition: nothing modifies or
+/// truncates them meanwhile. That cannot be checked; a file changed under the map is undefined
+/// behaviour, and one truncated under it kills the process with SIGBUS.
 pub fn load_hf_dir(dir: &Path, format: WeightFormat) -> Result<ModelWeights> {
     load_hf_dir_with_progress(dir, format, &mut |_, _| {})
 }
 
-/// [`load_hf_dir`] reporting progress once per tensor.
+/// [`load_hf_dir`] reporting progress once per tensor, with the same precondition.
 pub fn load_hf_dir_with_progress(dir: &Path, format: WeightFormat, progress: Progress<'_>) -> Result<ModelWeights> {
     load::check_format(format)?;
     let cfg = read_hf_config(dir)?;
@@ -571,6 +579,25 @@ mod tests {
             ModelConfig::from_hf_config_json(&min.replace("\"vocab_size\"", "\"eos_token_id\":\"x\",\"vocab_size\""))
                 .unwrap_err();
         assert!(matches!(e, Error::BadConfig(ref m) if m.contains("eos_token_id")), "{e}");
+
+        // Numbers past f32's range read as infinity, which passes `> 0` and `high > low`.
+        let llama3 = |factor: &str, high: &str| {
+            min.replace(
+                "\"vocab_size\"",
+                &format!(
+                    "\"rope_scaling\":{{\"rope_type\":\"llama3\",\"factor\":{factor},\"low_freq_factor\":1.0,\
+                     \"high_freq_factor\":{high},\"original_max_position_embeddings\":64}},\"vocab_size\""
+                ),
+            )
+        };
+        ModelConfig::from_hf_config_json(&llama3("8.0", "4.0")).unwrap();
+        for (factor, high) in [("1e39", "4.0"), ("8.0", "1e39"), ("-1e39", "4.0")] {
+            let e = ModelConfig::from_hf_config_json(&llama3(factor, high)).unwrap_err();
+            assert!(matches!(e, Error::BadConfig(ref m) if m.contains("rope_scaling")), "{factor}/{high}: {e}");
+        }
+        let e = ModelConfig::from_hf_config_json(&min.replace("\"vocab_size\"", "\"rope_theta\":1e39,\"vocab_size\""))
+            .unwrap_err();
+        assert!(matches!(e, Error::BadConfig(ref m) if m.contains("rope_theta")), "{e}");
     }
 
     #[test]

@@ -81,11 +81,15 @@ pub type Progress<'a> = &'a mut dyn FnMut(usize, usize);
 /// - A `.safetensors` file or a `config.json` with a `config.json` beside it loads that folder;
 ///   a bare safetensors file without a config is an error (its shapes are not enough to know
 ///   the architecture).
+///
+/// The files are memory-mapped while they load. Precondition: nothing modifies or truncates
+/// them meanwhile (see [`GgufFile::open`](crate::gguf::GgufFile::open) and
+/// [`load_hf_dir`](crate::hf::load_hf_dir)).
 pub fn load_model(path: &Path, format: WeightFormat) -> Result<LoadedModel> {
     load_model_with_progress(path, format, &mut |_, _| {})
 }
 
-/// [`load_model`] reporting progress once per tensor.
+/// [`load_model`] reporting progress once per tensor, with the same precondition.
 pub fn load_model_with_progress(path: &Path, format: WeightFormat, progress: Progress<'_>) -> Result<LoadedModel> {
     check_format(format)?;
     let meta = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;

@@ -64,16 +64,20 @@ pub struct CpuModel {
     layers: Vec<CpuLayer>,
     final_norm: Tensor,
     lm_head: CpuLinear,
-    /// `[max_position, hd/2]` RoPE tables.
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE inverse frequencies, `[1, hd/2]` f32. The cos/sin tables are built per cache for
+    /// its capacity: a table for the whole context could be far larger than anything used
+    /// (2^24 positions of head_dim 1024 is 32 GiB).
+    inv_freq: Tensor,
 }
 
-/// One sequence's KV cache: per layer `[KV, capacity, hd]` for keys and values.
+/// One sequence's KV cache: per layer `[KV, capacity, hd]` for keys and values, and the
+/// `[capacity, hd/2]` RoPE tables of its positions.
 #[derive(Debug)]
 pub struct KvCache {
     k: Vec<Tensor>,
     v: Vec<Tensor>,
+    cos: Tensor,
+    sin: Tensor,
     len: usize,
     capacity: usize,
 }
@@ -137,12 +141,7 @@ impl CpuModel {
         };
         let layers = w.layers.iter().map(|l| Self::layer(l, dtype)).collect::<Result<Vec<_>>>()?;
 
-        // RoPE tables, computed in f32 exactly as HF does: freqs = pos ⊗ inv_freq.
-        let inv = cfg.rope_inv_freq();
-        let max_pos = cfg.max_position_embeddings;
-        let inv = Tensor::from_vec(inv, (1, hd / 2), &Device::Cpu)?;
-        let pos = Tensor::arange(0u32, max_pos as u32, &Device::Cpu)?.to_dtype(DType::F32)?.reshape((max_pos, 1))?;
-        let freqs = pos.broadcast_mul(&inv)?; // [max_pos, hd/2]
+        let inv_freq = Tensor::from_vec(cfg.rope_inv_freq(), (1, hd / 2), &Device::Cpu)?;
         let to = |t: Tensor| -> Result<Tensor> { Ok(t.to_dtype(dtype)?) };
         Ok(Self {
             dtype,
@@ -152,10 +151,19 @@ impl CpuModel {
             layers,
             final_norm: to(w.final_norm.clone())?,
             lm_head: w.lm_head.cpu_linear()?,
-            cos: to(freqs.cos()?)?,
-            sin: to(freqs.sin()?)?,
+            inv_freq,
             config: cfg,
         })
+    }
+
+    /// The RoPE cos and sin tables of positions `0..n`, `[n, hd/2]` in the activation dtype,
+    /// computed in f32 exactly as HF does: freqs = pos ⊗ inv_freq. Each entry depends only on
+    /// its position, so a table for `n` positions is the first `n` rows of a longer one.
+    fn rope_tables(&self, n: usize) -> Result<(Tensor, Tensor)> {
+        let n32 = u32::try_from(n).map_err(|_| Error::InvalidInput(format!("{n} positions do not fit a u32")))?;
+        let pos = Tensor::arange(0u32, n32, &Device::Cpu)?.to_dtype(DType::F32)?.reshape((n, 1))?;
+        let freqs = pos.broadcast_mul(&self.inv_freq)?; // [n, hd/2]
+        Ok((freqs.cos()?.to_dtype(self.dtype)?, freqs.sin()?.to_dtype(self.dtype)?))
     }
 
     fn layer(l: &LayerWeights, dtype: DType) -> Result<CpuLayer> {
@@ -197,9 +205,12 @@ impl CpuModel {
         let shape = (self.kv_heads, capacity, self.config.head_dim);
         let mk = || Tensor::zeros(shape, self.dtype, &Device::Cpu);
         let n = self.layers.len();
+        let (cos, sin) = self.rope_tables(capacity)?;
         Ok(KvCache {
             k: (0..n).map(|_| mk()).collect::<candle_core::Result<_>>()?,
             v: (0..n).map(|_| mk()).collect::<candle_core::Result<_>>()?,
+            cos,
+            sin,
             len: 0,
             capacity,
         })
@@ -243,7 +254,8 @@ impl CpuModel {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.config.vocab_size) {
             return Err(Error::TokenOutOfRange { token: t, vocab: self.config.vocab_size });
         }
-        if cache.k.len() != self.layers.len() {
+        let shape = (self.kv_heads, cache.capacity, self.config.head_dim);
+        if cache.k.len() != self.layers.len() || cache.k.first().is_some_and(|k| k.dims3().ok() != Some(shape)) {
             return Err(Error::InvalidInput("KV cache belongs to another model".into()));
         }
         let end = cache.len + tokens.len();
@@ -265,8 +277,8 @@ impl CpuModel {
         let s = start + t;
         let ids = Tensor::new(tokens, &Device::Cpu)?;
         let mut x = self.embed.index_select(&ids, 0)?; // [T, D]
-        let cos = self.cos.narrow(0, start, t)?; // [T, hd/2]
-        let sin = self.sin.narrow(0, start, t)?;
+        let cos = cache.cos.narrow(0, start, t)?; // [T, hd/2]
+        let sin = cache.sin.narrow(0, start, t)?;
         let scale = 1.0 / (hd as f64).sqrt();
         // Causal mask for prefill: query (g, t) may see keys 0..=start+t. Rows are [G*T].
         let mask = if t > 1 {
@@ -331,5 +343,54 @@ impl CpuModel {
         }
         let last = x.narrow(0, t - 1, 1)?; // [1, D]
         Ok((rms_norm(&last, &self.final_norm, cfg.rms_norm_eps)?, s))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Arch;
+    use crate::synthetic::{random_config, random_weights};
+
+    #[test]
+    fn rope_tables_are_sized_by_the_cache_not_the_context() {
+        // The longest context and widest heads `validate` allows: tables for the whole
+        // context would be [2^24, 512] f32, 32 GiB each. Only the cache's rows are built.
+        let mut cfg = random_config(Arch::Qwen2, false);
+        (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) = (1, 1, 1024);
+        cfg.max_position_embeddings = crate::config::limits::MAX_CONTEXT;
+        let w = random_weights(&cfg, DType::F32, 1).unwrap();
+        let m = CpuModel::new(&w).unwrap();
+        let mut cache = m.new_cache(4).unwrap();
+        assert_eq!(cache.cos.dims(), &[4, 512]);
+        let logits = m.prefill(&mut cache, &[1, 2, 3]).unwrap();
+        assert_eq!(logits.len(), cfg.vocab_size);
+        assert!(logits.iter().all(|x| x.is_finite()));
+        m.decode_step(&mut cache, 4).unwrap();
+        assert!(matches!(m.decode_step(&mut cache, 5), Err(Error::ContextOverflow { position: 4, capacity: 4 })));
+    }
+
+    #[test]
+    fn cache_capacity_does_not_change_results() {
+        let cfg = random_config(Arch::Llama, false);
+        let w = random_weights(&cfg, DType::F32, 2).unwrap();
+        let m = CpuModel::new(&w).unwrap();
+        // A short table is exactly the first rows of a long one.
+        let (short_cos, short_sin) = m.rope_tables(5).unwrap();
+        let (long_cos, long_sin) = m.rope_tables(cfg.max_position_embeddings).unwrap();
+        let rows = |t: &Tensor| t.narrow(0, 0, 5).unwrap().to_vec2::<f32>().unwrap();
+        assert_eq!(short_cos.to_vec2::<f32>().unwrap(), rows(&long_cos));
+        assert_eq!(short_sin.to_vec2::<f32>().unwrap(), rows(&long_sin));
+        let run = |capacity: usize| {
+            let mut cache = m.new_cache(capacity).unwrap();
+            let mut logits = m.prefill(&mut cache, &[3, 4, 5]).unwrap();
+            for t in [6, 7] {
+                logits = m.decode_step(&mut cache, t).unwrap();
+            }
+            logits
+        };
+        let (short, long) = (run(5), run(cfg.max_position_embeddings));
+        let diff = short.iter().zip(&long).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(diff <= 1e-5, "logits differ by {diff}");
     }
 }

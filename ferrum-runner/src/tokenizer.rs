@@ -403,21 +403,44 @@ impl Tokenizer {
                 _ => None,
             }
         };
-        let ids_of = |v: &serde_json::Value| -> Vec<u32> {
+        // `bos_token_id` / `eos_token_id`: an id or a list of ids. A non-negative integer that
+        // does not fit a u32 is an error rather than truncated (4294967298 must not quietly
+        // become 2); anything else that is not an id (a negative number, a string) is skipped
+        // with a warning, as before.
+        let ids_of = |v: &serde_json::Value, key: &str| -> Result<Vec<u32>> {
+            let one = |x: &serde_json::Value| -> Result<Option<u32>> {
+                match x.as_u64() {
+                    Some(n) => u32::try_from(n)
+                        .map(Some)
+                        .map_err(|_| tok_err(format!("`{key}` holds {n}, which is not a token id (too large)"))),
+                    None => {
+                        tracing::warn!("ignoring `{key}` entry {x}: not a token id");
+                        Ok(None)
+                    }
+                }
+            };
             match v {
-                serde_json::Value::Number(n) => n.as_u64().map(|x| x as u32).into_iter().collect(),
-                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-                _ => Vec::new(),
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| one(x).transpose()).collect(),
+                serde_json::Value::Null => Ok(Vec::new()),
+                x => Ok(one(x)?.into_iter().collect()),
             }
+        };
+        let first_id = |cfg: &serde_json::Value, key: &str| -> Result<Option<u32>> {
+            Ok(match cfg.get(key) {
+                Some(v) => ids_of(v, key)?.first().copied(),
+                None => None,
+            })
         };
 
         let bos_text = tok_config.get("bos_token").and_then(token_text);
         let eos_text = tok_config.get("eos_token").and_then(token_text);
-        let bos_id = bos_text
-            .as_deref()
-            .and_then(|t| inner.token_to_id(t))
-            .or_else(|| gen_config.get("bos_token_id").and_then(|v| ids_of(v).first().copied()))
-            .or_else(|| model_config.get("bos_token_id").and_then(|v| ids_of(v).first().copied()));
+        let bos_id = match bos_text.as_deref().and_then(|t| inner.token_to_id(t)) {
+            Some(id) => Some(id),
+            None => match first_id(&gen_config, "bos_token_id")? {
+                Some(id) => Some(id),
+                None => first_id(&model_config, "bos_token_id")?,
+            },
+        };
 
         let mut eos_ids = Vec::new();
         if let Some(id) = eos_text.as_deref().and_then(|t| inner.token_to_id(t)) {
@@ -425,7 +448,7 @@ impl Tokenizer {
         }
         for cfg in [&gen_config, &model_config] {
             if let Some(v) = cfg.get("eos_token_id") {
-                eos_ids.extend(ids_of(v));
+                eos_ids.extend(ids_of(v, "eos_token_id")?);
             }
         }
 
@@ -477,11 +500,13 @@ impl Tokenizer {
 
     /// Reads the metadata of a GGUF file and builds its tokenizer
     /// (see [`Tokenizer::from_gguf_metadata`]).
+    ///
+    /// The file goes through [`GgufFile::open`](crate::gguf::GgufFile::open), so its header is
+    /// validated before candle parses it, and the same precondition applies: the file must not
+    /// be modified or truncated while this call reads it.
     pub fn from_gguf_file(path: &Path) -> Result<Self> {
-        let mut file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        let content = candle_core::quantized::gguf_file::Content::read(&mut file)
-            .map_err(|e| Error::NotAModelFile { path: path.to_path_buf(), expected: "GGUF", detail: e.to_string() })?;
-        Self::from_gguf_metadata(&content.metadata)
+        let file = crate::gguf::GgufFile::open(path)?;
+        Self::from_gguf_metadata(file.metadata())
     }
 
     /// Builds the tokenizer described by the `tokenizer.ggml.*` and `tokenizer.chat_template`
@@ -506,8 +531,13 @@ impl Tokenizer {
                 if a.len() != n {
                     return Err(tok_err(format!("GGUF has {} token types for {n} tokens", a.len())));
                 }
+                // A type that does not fit an i32 is an error, not truncated to a valid type.
                 a.iter()
-                    .map(|v| md_i64(v).map(|x| x as i32).ok_or_else(|| tok_err(format!("bad GGUF token type {v:?}"))))
+                    .map(|v| {
+                        md_i64(v)
+                            .and_then(|x| i32::try_from(x).ok())
+                            .ok_or_else(|| tok_err(format!("bad GGUF token type {v:?}")))
+                    })
                     .collect::<Result<_>>()?
             }
         };
@@ -545,6 +575,24 @@ impl Tokenizer {
         if vocab_size == 0 {
             return Err(tok_err("empty vocabulary"));
         }
+        // The per-id tables below hold `vocab_size` entries, and `vocab_size` comes from the
+        // largest id in the file, not from how many tokens it has: one token with id 2^32 - 2
+        // would ask for a 96 GiB table.
+        let max_vocab = crate::config::limits::MAX_VOCAB;
+        if vocab_size > max_vocab {
+            return Err(tok_err(format!(
+                "the vocabulary has a token id of {}, past the limit of {max_vocab} ids",
+                vocab_size - 1
+            )));
+        }
+        let n_ids = u32::try_from(vocab_size).map_err(|_| tok_err(format!("{vocab_size} ids do not fit a u32")))?;
+        // Ids that `encode` adds around every text must name real tokens; the BOS/EOS ids
+        // themselves are only dropped with a warning (as for GGUF, where llama.cpp does so).
+        if let Some(&id) = s.prefix_ids.iter().chain(&s.suffix_ids).find(|&&id| id >= n_ids) {
+            return Err(tok_err(format!(
+                "the BOS/EOS id {id} added to every text is outside the vocabulary of {vocab_size} ids"
+            )));
+        }
         let kind = decode_kind(inner.get_decoder());
         let added = inner.get_added_tokens_decoder();
         let mut special = vec![false; vocab_size];
@@ -555,7 +603,7 @@ impl Tokenizer {
         }
 
         let inverse = byte_level_inverse();
-        let pieces = (0..vocab_size as u32)
+        let pieces = (0..n_ids)
             .map(|id| match (inner.id_to_token(id), kind) {
                 (None, _) | (_, DecodeKind::Generic) => Piece::Nothing,
                 (Some(t), DecodeKind::ByteLevel) => {
@@ -573,13 +621,18 @@ impl Tokenizer {
         // End of generation: the configured EOS ids plus llama.cpp's EOG texts (special only).
         let mut eos_ids = Vec::new();
         let mut seen = HashSet::new();
-        for id in s.eos_ids.into_iter().filter(|&id| (id as usize) < vocab_size) {
-            if seen.insert(id) {
+        for id in s.eos_ids {
+            if id >= n_ids {
+                tracing::warn!("EOS id {id} is outside the vocabulary of {vocab_size} ids; ignored");
+            } else if seen.insert(id) {
                 eos_ids.push(id);
             }
         }
-        let mut heuristic: Vec<u32> =
-            EOG_TOKEN_TEXTS.iter().filter_map(|t| vocab.get(*t).copied()).filter(|&id| special[id as usize]).collect();
+        let mut heuristic: Vec<u32> = EOG_TOKEN_TEXTS
+            .iter()
+            .filter_map(|t| vocab.get(*t).copied())
+            .filter(|&id| special.get(id as usize).copied().unwrap_or(false))
+            .collect();
         heuristic.sort_unstable();
         for id in heuristic {
             if seen.insert(id) {
@@ -587,7 +640,13 @@ impl Tokenizer {
             }
         }
 
-        let bos_id = s.bos_id.filter(|&id| (id as usize) < vocab_size);
+        let bos_id = s.bos_id.filter(|&id| {
+            let known = id < n_ids;
+            if !known {
+                tracing::warn!("BOS id {id} is outside the vocabulary of {vocab_size} ids; ignored");
+            }
+            known
+        });
         let bos_token = bos_id.and_then(|id| inner.id_to_token(id));
         let eos_token = eos_ids.first().and_then(|&id| inner.id_to_token(id));
         Ok(Tokenizer {
@@ -745,7 +804,7 @@ fn build_gguf_spm(
             .filter(|(a, b)| vocab.contains_key(*a) && vocab.contains_key(*b) && vocab.contains_key(&format!("{a}{b}")))
             .map(|(a, b)| (a.to_string(), b.to_string()))
             .collect(),
-        None => spm_merges_from_scores(tokens, &scores),
+        None => spm_merges_from_scores(tokens, &scores)?,
     };
 
     let unk_id = md_token_id(md, "tokenizer.ggml.unknown_token_id", n)?.or_else(|| (tokens[0] == "<unk>").then_some(0));
@@ -802,10 +861,37 @@ fn add_gguf_added_tokens(tok: &mut tokenizers::Tokenizer, tokens: &[String], tok
     }
 }
 
+/// How much hashing [`spm_merges_from_scores`] may do, in bytes: every split of a token of
+/// `c` characters and `b` bytes looks both halves up, `(c - 1) * b` bytes in all. A merge
+/// keeps the `b` bytes of the split it came from, so this also bounds the bytes of the
+/// merges. A vocabulary of `MAX_VOCAB` (2^22) tokens of 8 ASCII characters needs
+/// 2^22 * 7 * 8, about 235M; real ones need far less.
+const MAX_MERGE_SCAN_BYTES: u64 = 1 << 28;
+
+/// The most merges [`spm_merges_from_scores`] may derive, per vocabulary token and in all.
+/// Real vocabularies give a few per token; tokens that split many ways ("a", "aa", "aaa",
+/// ...) give one per split, so their merges grow with the square of the longest token.
+const MAX_MERGES_PER_TOKEN: usize = 16;
+const MAX_MERGES: usize = 1 << 23;
+/// Small vocabularies may derive this many merges whatever their size.
+const MIN_MERGE_BUDGET: usize = 1 << 16;
+
 /// BPE merges for a SentencePiece vocabulary from its scores, exactly as HF transformers'
 /// `GGUFTokenizerSkeleton` derives them: every split of every token into two vocabulary
 /// pieces, ordered by the merged token's score (descending), ties by the pieces' scores.
-pub fn spm_merges_from_scores(tokens: &[String], scores: &[f32]) -> Vec<(String, String)> {
+///
+/// The work and the merges grow faster than the vocabulary (with the cube of a token's length
+/// in the worst case), so both are bounded; a vocabulary past either bound is an
+/// [`Error::Tokenizer`].
+pub fn spm_merges_from_scores(tokens: &[String], scores: &[f32]) -> Result<Vec<(String, String)>> {
+    let max_merges = tokens.len().saturating_mul(MAX_MERGES_PER_TOKEN).clamp(MIN_MERGE_BUDGET, MAX_MERGES);
+    let over = |what: String| {
+        tok_err(format!(
+            "deriving BPE merges from the scores of {} tokens {what}; the vocabulary is not a plausible \
+             SentencePiece vocabulary",
+            tokens.len()
+        ))
+    };
     // Python's dict keeps the first position of a key and the last value.
     let mut score_of: HashMap<&str, f32> = HashMap::with_capacity(tokens.len());
     let mut order: Vec<&str> = Vec::with_capacity(tokens.len());
@@ -816,7 +902,14 @@ pub fn spm_merges_from_scores(tokens: &[String], scores: &[f32]) -> Vec<(String,
     }
     let desc = |a: f32, b: f32| b.total_cmp(&a);
     let mut merges: Vec<(&str, &str, f32)> = Vec::new();
+    let mut scanned: u64 = 0;
     for merged in order {
+        // Counted before the lookups, so a single huge token cannot do the work first.
+        let splits = merged.chars().count().saturating_sub(1) as u64;
+        scanned = scanned.saturating_add(splits.saturating_mul(merged.len() as u64));
+        if scanned > MAX_MERGE_SCAN_BYTES {
+            return Err(over(format!("would hash more than {MAX_MERGE_SCAN_BYTES} bytes")));
+        }
         let piece_score = score_of[merged];
         let mut local: Vec<(&str, &str, f32)> = merged
             .char_indices()
@@ -826,10 +919,13 @@ pub fn spm_merges_from_scores(tokens: &[String], scores: &[f32]) -> Vec<(String,
             .map(|(l, r)| (l, r, piece_score))
             .collect();
         local.sort_by(|a, b| desc(score_of[a.0], score_of[b.0]).then_with(|| desc(score_of[a.1], score_of[b.1])));
+        if merges.len() + local.len() > max_merges {
+            return Err(over(format!("gives more than {max_merges} merges")));
+        }
         merges.extend(local);
     }
     merges.sort_by(|a, b| desc(a.2, b.2));
-    merges.into_iter().map(|(l, r, _)| (l.to_string(), r.to_string())).collect()
+    Ok(merges.into_iter().map(|(l, r, _)| (l.to_string(), r.to_string())).collect())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1043,20 +1139,22 @@ impl<'a> StreamDecoder<'a> {
         }
         let mut out = String::new();
         match &mut self.state {
+            // `check_ids` bounds `id` by `vocab_size`, which is the table's length; `get` keeps
+            // an id past it contributing nothing rather than panicking should the two disagree.
             StreamState::ByteLevel { pending } => {
-                if let Piece::Bytes(b) = &self.tok.pieces[id as usize] {
+                if let Some(Piece::Bytes(b)) = self.tok.pieces.get(id as usize) {
                     pending.extend_from_slice(b);
                     drain_utf8(pending, &mut out);
                 }
             }
-            StreamState::Spm { group, at_start, strip } => match &self.tok.pieces[id as usize] {
-                Piece::Byte(b) => group.push(*b),
-                Piece::Text(t) => {
+            StreamState::Spm { group, at_start, strip } => match self.tok.pieces.get(id as usize) {
+                Some(Piece::Byte(b)) => group.push(*b),
+                Some(Piece::Text(t)) => {
                     let mut text = resolve_byte_group(group);
                     text.push_str(t);
                     push_spm_text(&mut out, &text, at_start, *strip);
                 }
-                Piece::Nothing | Piece::Bytes(_) => {}
+                Some(Piece::Nothing | Piece::Bytes(_)) | None => {}
             },
             StreamState::Generic { ids, emitted } => {
                 ids.push(id);
@@ -1231,7 +1329,7 @@ mod tests {
     fn spm_merges_follow_scores() {
         let tokens: Vec<String> = ["<unk>", "a", "b", "c", "ab", "bc", "abc"].iter().map(|s| s.to_string()).collect();
         let scores = [0.0, -1.0, -2.0, -3.0, -0.5, -0.1, -0.2];
-        let merges = spm_merges_from_scores(&tokens, &scores);
+        let merges = spm_merges_from_scores(&tokens, &scores).unwrap();
         let pairs: Vec<(&str, &str)> = merges.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
         // bc (-0.1) first, then abc's splits (-0.2): (ab,c) before (a,bc) since ab scores higher than a, then ab.
         assert_eq!(pairs, vec![("b", "c"), ("ab", "c"), ("a", "bc"), ("a", "b")]);

@@ -11,8 +11,9 @@
 //! batch of device-chosen tokens; between calls, and while the caller's token callback runs,
 //! the rank is idle and never aborted. Aborting the communicator makes its kernels exit, so the
 //! blocked wait returns and the call fails with the communicator's error. The watchdog starts
-//! before the rank's first collective (`open_process_rank`'s warm-up all-reduce); the NCCL
-//! init and the rendezvous before it have their own timeouts.
+//! before the rank's first collective (`open_process_rank`'s warm-up all-reduce). The
+//! rendezvous before the NCCL init has its own timeout; the init itself has none (a known
+//! limit of ferrum-nccl's `init_rank`: a rank that never joins leaves the others waiting).
 //!
 //! Limit: a whole call is one unit of progress, so the stall timeout must exceed the longest
 //! legitimate prefill (the default, 120 s, is far above what a prompt takes on the supported

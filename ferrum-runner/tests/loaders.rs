@@ -530,6 +530,11 @@ fn gguf_header_sizes_past_the_end() {
     // An unsupported-but-valid ggml type is a dtype error naming the tensor.
     let e = assert_rejected(dir.path(), "iq.gguf", &patch(&bytes, ty0, &23u32.to_le_bytes()));
     assert!(matches!(e, Error::BadDtype { ref name, .. } if *name == l.tensors[0].0), "{e}");
+    // So are Q8_1 and Q8_K: candle knows them as types but cannot load them from a file.
+    for id in [9u32, 15] {
+        let e = assert_rejected(dir.path(), "q8.gguf", &patch(&bytes, ty0, &id.to_le_bytes()));
+        assert!(matches!(e, Error::BadDtype { ref name, .. } if *name == l.tensors[0].0), "type {id}: {e}");
+    }
 }
 
 #[test]

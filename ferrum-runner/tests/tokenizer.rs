@@ -4,8 +4,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
-use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::gguf_file::{self, Value};
 use ferrum_runner::chat::{render_chat, ChatMessage};
 use ferrum_runner::tokenizer::{byte_level_alphabet, Tokenizer};
 use ferrum_runner::Error;
@@ -511,6 +512,132 @@ fn template_errors_are_typed() {
     }
     assert!(matches!(render_chat("{% for %}", &[], false, "", ""), Err(Error::ChatTemplate(_))));
     assert!(matches!(render_chat("  ", &[], false, "", ""), Err(Error::ChatTemplate(_))));
+}
+
+#[test]
+fn template_resources_are_bounded() {
+    // 10^7 loop steps: seconds of work without an instruction budget, an error at once with one.
+    let spin = "{% for i in range(10000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}";
+    let t = Instant::now();
+    let err = render_chat(spin, &[ChatMessage::user("hi")], false, "", "").unwrap_err();
+    assert!(matches!(&err, Error::ChatTemplate(m) if m.contains("instruction budget")), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
+    // 10 MB of output from a few hundred instructions.
+    let flood = "{% for i in range(100) %}{{ 'x' * 100000 }}{% endfor %}";
+    let err = render_chat(flood, &[ChatMessage::user("hi")], false, "", "").unwrap_err();
+    assert!(matches!(&err, Error::ChatTemplate(m) if m.contains("more than")), "{err}");
+    // The output budget grows with the messages: a long prompt still renders whole.
+    let long = "y".repeat(3 << 20);
+    let echo = "{% for m in messages %}{{ m.content }}{% endfor %}";
+    assert_eq!(render_chat(echo, &[ChatMessage::user(long.clone())], false, "", "").unwrap(), long);
+}
+
+// -------------------------------------------------------------------------------------------
+// Hostile vocabularies and configs
+// -------------------------------------------------------------------------------------------
+
+/// Writes `md` (plus `extra`) as a GGUF file with no tensors.
+fn write_metadata_gguf(path: &Path, md: &HashMap<String, Value>, extra: &[(&str, Value)]) {
+    let mut entries: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    entries.extend(extra.iter().map(|(k, v)| (*k, v)));
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &entries, &[]).unwrap();
+}
+
+#[test]
+fn gguf_tokenizer_file_goes_through_the_header_checks() {
+    let dir = tempfile::tempdir().unwrap();
+    let md = gpt2_metadata("smollm", Some(false));
+    let good = dir.path().join("good.gguf");
+    write_metadata_gguf(&good, &md, &[]);
+    assert_eq!(Tokenizer::from_gguf_file(&good).unwrap().vocab_size(), tiny_gpt2().vocab_size());
+    // candle divides by general.alignment: 0 must be refused before candle parses the file.
+    let zero = dir.path().join("zero.gguf");
+    write_metadata_gguf(&zero, &md, &[("general.alignment", Value::U32(0))]);
+    let err = Tokenizer::from_gguf_file(&zero).unwrap_err();
+    assert!(matches!(&err, Error::Corrupt { detail, .. } if detail.contains("alignment")), "{err}");
+    let missing = dir.path().join("missing.gguf");
+    assert!(matches!(Tokenizer::from_gguf_file(&missing), Err(Error::Io { .. })));
+}
+
+#[test]
+fn huge_token_ids_are_rejected() {
+    // The tables are sized by the largest id: 2^32 - 1 made the size 2^32, which truncated to
+    // an empty table (and a panic on the first decoded id); 2^32 - 2 asked for 96 GiB.
+    let base: serde_json::Value = serde_json::from_str(&tiny_gpt2().inner().to_string(false).unwrap()).unwrap();
+    for id in [u64::from(u32::MAX), u64::from(u32::MAX) - 1, 1 << 22] {
+        let mut json = base.clone();
+        json["model"]["vocab"]["zz"] = id.into();
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &json.to_string());
+        let err = Tokenizer::from_hf_dir(dir.path()).unwrap_err();
+        assert!(matches!(&err, Error::Tokenizer(m) if m.contains("past the limit")), "id {id}: {err}");
+    }
+    // The largest id the limit allows loads.
+    let mut json = base;
+    json["model"]["vocab"]["zz"] = ((1u64 << 22) - 1).into();
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "tokenizer.json", &json.to_string());
+    let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    assert_eq!(tok.vocab_size(), 1 << 22);
+    assert_eq!(tok.decode(&[(1 << 22) - 1, 3]).unwrap(), "zz\u{0}");
+}
+
+#[test]
+fn ids_that_do_not_fit_are_errors_not_truncated() {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "tokenizer.json", &tiny_gpt2().inner().to_string(false).unwrap());
+    // 2^32 + 2 would truncate to 2, a real EOS id.
+    for ids in ["4294967298", "[2, 4294967298]"] {
+        write(dir.path(), "generation_config.json", &format!(r#"{{"eos_token_id": {ids}}}"#));
+        let err = Tokenizer::from_hf_dir(dir.path()).unwrap_err();
+        assert!(matches!(&err, Error::Tokenizer(m) if m.contains("eos_token_id")), "{ids}: {err}");
+    }
+    // A BOS id that fits a u32 but not the vocabulary, added to every text, is an error ...
+    write(dir.path(), "generation_config.json", r#"{"bos_token_id": 100000, "eos_token_id": 2}"#);
+    write(dir.path(), "tokenizer_config.json", r#"{"add_bos_token": true}"#);
+    let err = Tokenizer::from_hf_dir(dir.path()).unwrap_err();
+    assert!(matches!(&err, Error::Tokenizer(m) if m.contains("100000")), "{err}");
+    // ... and is dropped when it is not added.
+    write(dir.path(), "tokenizer_config.json", r#"{"add_bos_token": false}"#);
+    let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    assert_eq!(tok.bos_id(), None);
+    assert_eq!(tok.eos_ids()[0], 2);
+
+    // GGUF token types: 2^32 + 3 would truncate to 3 (control).
+    let mut md = gpt2_metadata("smollm", None);
+    let Some(Value::Array(types)) = md.get_mut("tokenizer.ggml.token_type") else { panic!("no token types") };
+    types[10] = Value::I64((1 << 32) + 3);
+    assert!(matches!(Tokenizer::from_gguf_metadata(&md), Err(Error::Tokenizer(_))));
+}
+
+/// SentencePiece metadata with these pieces (after `<unk>`, `<s>`, `</s>`) and no merges.
+fn spm_metadata_of(pieces: impl IntoIterator<Item = String>) -> HashMap<String, Value> {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+    tokens.extend(pieces);
+    let scores = (0..tokens.len()).map(|i| Value::F32(-(i as f32))).collect();
+    let mut md = HashMap::new();
+    md.insert("tokenizer.ggml.model".into(), string("llama"));
+    md.insert("tokenizer.ggml.tokens".into(), strings(&tokens));
+    md.insert("tokenizer.ggml.scores".into(), Value::Array(scores));
+    md.insert("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false));
+    md
+}
+
+#[test]
+fn derived_merges_are_bounded() {
+    // "a", "aa", ...: every split of every token is two tokens, so n tokens give n^2/2 merges
+    // (180k here) holding n^3/6 bytes.
+    let md = spm_metadata_of((1..=600).map(|n| "a".repeat(n)));
+    let err = Tokenizer::from_gguf_metadata(&md).unwrap_err();
+    assert!(matches!(&err, Error::Tokenizer(m) if m.contains("gives more than")), "{err}");
+    // One huge token: few merges, but every split hashes the whole token.
+    let md = spm_metadata_of(["a".to_string(), "a".repeat(20_000)]);
+    let err = Tokenizer::from_gguf_metadata(&md).unwrap_err();
+    assert!(matches!(&err, Error::Tokenizer(m) if m.contains("would hash more than")), "{err}");
+    // A plausible vocabulary of the same pieces, shorter, still loads.
+    let tok = Tokenizer::from_gguf_metadata(&spm_metadata_of((1..=100).map(|n| "a".repeat(n)))).unwrap();
+    assert_eq!(tok.decode(&tok.encode("aaaaa", false).unwrap()).unwrap(), "aaaaa");
 }
 
 // -------------------------------------------------------------------------------------------

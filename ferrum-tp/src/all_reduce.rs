@@ -23,7 +23,11 @@
 //! every rank blocked in (or later entering) [`AllReduceRank::sum`] returns
 //! [`CollectiveError::Aborted`]. A call checks for abort *before* writing its
 //! slot, so after a failed round nobody writes a slot another rank might
-//! still be reading (which the barrier no longer guarantees).
+//! still be reading (which the barrier no longer guarantees). Three things
+//! abort: [`CpuAllReduce::abort`], a call with too long a buffer, and
+//! dropping an [`AllReduceRank`] (a rank thread that panics or returns early
+//! can never hang the others). The first of them is kept as the root cause
+//! ([`CpuAllReduce::abort_origin`]): peers fail *because* of it.
 //!
 //! Soundness: each slot has exactly one writer, the unique [`AllReduceRank`]
 //! of its rank (not `Clone`, not `Sync`), and the barrier orders every write
@@ -65,6 +69,54 @@ pub enum CollectiveError {
     LengthMismatch,
 }
 
+/// What aborted a [`CpuAllReduce`] first: the root cause that the peers'
+/// [`CollectiveError::Aborted`] follow from. See
+/// [`CpuAllReduce::abort_origin`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AbortOrigin {
+    /// [`CpuAllReduce::abort`] (e.g. the TP group, after a rank failed).
+    Control,
+    /// Rank `rank` passed a buffer longer than the slots
+    /// ([`CollectiveError::TooLong`]).
+    TooLong {
+        /// The rank whose call aborted.
+        rank: usize,
+    },
+    /// Rank `rank`'s [`AllReduceRank`] was dropped.
+    Dropped {
+        /// The rank whose handle was dropped.
+        rank: usize,
+    },
+}
+
+/// `Shared::origin` encoding: `rank << 2 | kind`; 0 is "not aborted". A rank
+/// shifted by 2 cannot overflow: the `world` ranks own `2 × world` atomics of
+/// at least 4 bytes each in allocations of at most `isize::MAX` bytes.
+const ORIGIN_CONTROL: usize = 1;
+const ORIGIN_TOO_LONG: usize = 2;
+const ORIGIN_DROPPED: usize = 3;
+const ORIGIN_KIND: usize = 0b11;
+
+impl AbortOrigin {
+    fn encode(self) -> usize {
+        match self {
+            AbortOrigin::Control => ORIGIN_CONTROL,
+            AbortOrigin::TooLong { rank } => (rank << 2) | ORIGIN_TOO_LONG,
+            AbortOrigin::Dropped { rank } => (rank << 2) | ORIGIN_DROPPED,
+        }
+    }
+
+    fn decode(word: usize) -> Option<Self> {
+        let rank = word >> 2;
+        match word & ORIGIN_KIND {
+            ORIGIN_CONTROL => Some(AbortOrigin::Control),
+            ORIGIN_TOO_LONG => Some(AbortOrigin::TooLong { rank }),
+            ORIGIN_DROPPED => Some(AbortOrigin::Dropped { rank }),
+            _ => None,
+        }
+    }
+}
+
 /// One rank's buffer (`max_len` floats).
 type Slot = UnsafeCell<Box<[f32]>>;
 
@@ -76,6 +128,20 @@ struct Shared {
     slots: [Box<[Slot]>; 2],
     /// `lens[parity][rank]`: the length rank wrote in its slot.
     lens: [Box<[CachePadded<AtomicUsize>]>; 2],
+    /// The first abort's [`AbortOrigin`], encoded (0 until then).
+    origin: AtomicUsize,
+}
+
+impl Shared {
+    /// Records `origin` unless an earlier abort was recorded, then aborts.
+    #[cold]
+    fn abort(&self, origin: AbortOrigin) {
+        // AcqRel/Acquire, though the barrier alone would do: the record is
+        // sequenced before the barrier's Release abort, which every reader
+        // of the record acquires first (`abort_origin`). First record wins.
+        let _ = self.origin.compare_exchange(0, origin.encode(), Ordering::AcqRel, Ordering::Acquire);
+        self.barrier.abort();
+    }
 }
 
 // SAFETY: the only non-Sync fields are the `UnsafeCell` slots. Slot
@@ -147,9 +213,15 @@ impl CpuAllReduce {
             barrier: GroupBarrier::with_parties(world_size),
             slots: [slots(), slots()],
             lens: [lens(), lens()],
+            origin: AtomicUsize::new(0),
         });
         let ranks = (0..world_size)
-            .map(|rank| AllReduceRank { rank, calls: Cell::new(0), shared: Arc::clone(&shared) })
+            .map(|rank| AllReduceRank {
+                rank,
+                calls: Cell::new(0),
+                own_abort: Cell::new(None),
+                shared: Arc::clone(&shared),
+            })
             .collect();
         Ok((Self { shared }, ranks))
     }
@@ -157,13 +229,27 @@ impl CpuAllReduce {
     /// Aborts the collective: every rank blocked in, or later calling,
     /// [`AllReduceRank::sum`] gets [`CollectiveError::Aborted`]. Idempotent.
     pub fn abort(&self) {
-        self.shared.barrier.abort();
+        self.shared.abort(AbortOrigin::Control);
     }
 
     /// Whether the collective has been aborted.
     #[must_use]
     pub fn is_aborted(&self) -> bool {
         self.shared.barrier.is_aborted()
+    }
+
+    /// What aborted the collective first (`None` while it is not aborted):
+    /// the root cause, where the peers' [`CollectiveError::Aborted`] are only
+    /// its consequences. A peer that got `Aborted` always finds it set.
+    #[must_use]
+    pub fn abort_origin(&self) -> Option<AbortOrigin> {
+        // Acquire (both): the origin was recorded before the barrier's
+        // Release abort; observing the abort with Acquire first makes the
+        // record (the first one, or one that a failed record read) visible.
+        if !self.shared.barrier.is_aborted() {
+            return None;
+        }
+        AbortOrigin::decode(self.shared.origin.load(Ordering::Acquire))
     }
 
     /// Number of ranks.
@@ -181,12 +267,30 @@ impl CpuAllReduce {
 
 /// One rank's handle on a [`CpuAllReduce`]. Exactly one exists per rank; it
 /// is `Send` (move it to the rank's thread) but neither `Clone` nor `Sync`.
+///
+/// Dropping it aborts the collective ([`AbortOrigin::Dropped`]): a rank whose
+/// thread panics or returns early can never leave its peers blocked in
+/// [`sum`](Self::sum) waiting for calls it will not make. Dropping it after
+/// the rank's last call is harmless: each call a peer makes that this rank
+/// made too has had its round completed, and a completed round is `Ok` under
+/// both barriers, abort or not. Only a peer's *extra* calls (ones this rank
+/// never made) return [`CollectiveError::Aborted`].
 #[derive(Debug)]
 pub struct AllReduceRank {
     rank: usize,
     /// Number of `sum` calls made; its parity picks the slot set.
     calls: Cell<u64>,
+    /// The error of this handle's call that aborted the collective (too long
+    /// a buffer), if any.
+    own_abort: Cell<Option<CollectiveError>>,
     shared: Arc<Shared>,
+}
+
+impl Drop for AllReduceRank {
+    fn drop(&mut self) {
+        // Never panics; never blocks for long (see `AbortableBarrier::abort`).
+        self.shared.abort(AbortOrigin::Dropped { rank: self.rank });
+    }
 }
 
 impl AllReduceRank {
@@ -214,6 +318,15 @@ impl AllReduceRank {
         CpuAllReduce { shared: Arc::clone(&self.shared) }
     }
 
+    /// The error of this handle's call that aborted the collective (too long
+    /// a buffer), if one did: the TP group reports it when the worker
+    /// swallowed it.
+    #[inline]
+    #[cfg_attr(loom, allow(dead_code))] // the group is not built under loom
+    pub(crate) fn own_abort(&self) -> Option<CollectiveError> {
+        self.own_abort.get()
+    }
+
     /// All-reduce (sum) in place: on return, `data` holds the element-wise sum
     /// of every rank's `data`, summed in rank order, bit-identical on every
     /// rank. Every rank must make the same sequence of calls with buffers of
@@ -230,8 +343,10 @@ impl AllReduceRank {
         let shared = &*self.shared;
         let len = data.len();
         if len > shared.max_len {
-            shared.barrier.abort();
-            return Err(CollectiveError::TooLong { len, max_len: shared.max_len });
+            let err = CollectiveError::TooLong { len, max_len: shared.max_len };
+            self.own_abort.set(Some(err));
+            shared.abort(AbortOrigin::TooLong { rank: self.rank });
+            return Err(err);
         }
         // Must precede the slot write: after an aborted round the barrier no
         // longer orders our write after the peers' reads of two calls ago.

@@ -36,6 +36,15 @@
 //!   [`TpError::Poisoned`]. Any failure poisons the group, cold-path ones
 //!   included: after it the ranks' states (KV caches) may disagree, and the
 //!   collective is dead.
+//! * **A rank that aborts the all-reduce itself** (too long a buffer) does so
+//!   before its worker has returned, so its peers wake with `Aborted` and may
+//!   fail first. Their failures are secondary ([`AbortOrigin::TooLong`] names
+//!   the culprit): they record them but neither claim `first_failure` nor
+//!   abort the barrier, which would wake the caller before the culprit's
+//!   failure is recorded. The culprit's thread does both once its worker
+//!   returns: with the worker's error or panic, or, if the worker swallowed
+//!   the error and returned `Ok`, with [`TpError::Collective`]. (The caller
+//!   thus waits for the culprit's worker to return, as every round does.)
 //! * **Drop** never hangs: a healthy group runs a shutdown round, a poisoned
 //!   one is already aborted; then every thread is joined. (A worker that
 //!   never returns from a call cannot be joined; nothing can fix that from
@@ -51,7 +60,7 @@ use std::thread::JoinHandle;
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 use crossbeam_utils::CachePadded;
 
-use crate::all_reduce::{AllReduceRank, CollectiveError, CpuAllReduce};
+use crate::all_reduce::{AbortOrigin, AllReduceRank, CollectiveError, CpuAllReduce};
 use crate::{AbortableBarrier, GroupBarrier};
 
 /// Identifies a sequence (a request) whose KV cache the ranks hold.
@@ -180,6 +189,17 @@ pub enum TpError<E> {
         /// The panic payload, if it was a string.
         message: String,
     },
+    /// A rank's all-reduce call aborted the collective (its buffer was longer
+    /// than [`TpConfig::all_reduce_max_len`]) but its worker returned `Ok`
+    /// regardless. The group is poisoned.
+    #[error("TP rank {rank}'s all-reduce failed and aborted the group, but its worker returned Ok")]
+    Collective {
+        /// The rank.
+        rank: usize,
+        /// Its all-reduce's error.
+        #[source]
+        source: CollectiveError,
+    },
     /// A rank found the group's protocol broken (a bug in this crate). The
     /// group is poisoned.
     #[error("TP group protocol error{}: {detail}", fmt_rank(*.rank))]
@@ -256,6 +276,8 @@ enum Command<W: RankWorker> {
 enum Failure<E> {
     Error(E),
     Panic(String),
+    /// The worker returned `Ok` after its own all-reduce call aborted.
+    Collective(CollectiveError),
     Protocol(&'static str),
 }
 
@@ -282,10 +304,22 @@ struct Params {
 }
 
 impl<E> Shared<E> {
-    /// Record a failure of `rank` and abort everything so no one waits for it.
+    /// Record a failure of `rank` and abort everything so no one waits for it
+    /// (unless another rank aborted the all-reduce first: see below).
     #[cold]
     fn fail(&self, rank: usize, failure: Failure<E>) {
         *self.failures[rank].lock() = Some(failure);
+        if let Some(AbortOrigin::TooLong { rank: culprit }) = self.all_reduce.abort_origin() {
+            if culprit != rank {
+                // Secondary (module docs): `culprit` is still inside its
+                // worker call, and its thread claims and aborts once that
+                // returns (`rank_main`). Aborting the barrier now would wake
+                // the caller before the root cause is recorded, and our
+                // claim would hide it.
+                tracing::debug!(rank, culprit, "TP rank failed after another rank aborted the all-reduce");
+                return;
+            }
+        }
         // AcqRel/Acquire: the failure slot written above is ordered before
         // the claim, and the claim before the aborts below (whose Release the
         // caller acquires when its wait fails). First claim wins: a peer that
@@ -591,6 +625,10 @@ impl<W: RankWorker> TpDecodeGroup<W> {
                 tracing::error!(rank, %message, "TP rank panicked; group poisoned");
                 TpError::RankPanicked { rank, message }
             }
+            Some(Failure::Collective(source)) => {
+                tracing::error!(rank, error = %source, "TP rank's all-reduce failed unreported; group poisoned");
+                TpError::Collective { rank, source }
+            }
             Some(Failure::Protocol(detail)) => TpError::Protocol { rank: Some(rank), detail },
             None => TpError::Poisoned { rank: Some(rank) },
         }
@@ -647,6 +685,18 @@ fn guarded<W: RankWorker, R>(f: impl FnOnce() -> Result<R, W::Error>) -> Result<
     }
 }
 
+/// A worker call's outcome, unless it returned `Ok` after its own all-reduce
+/// call aborted the collective: peers that failed because of that abort left
+/// the failing to this rank (`Shared::fail`), so it must not pass as a
+/// success.
+#[inline]
+fn unless_aborted<E, R>(ctx: &RankContext, outcome: Result<R, Failure<E>>) -> Result<R, Failure<E>> {
+    match (outcome, ctx.all_reduce.own_abort()) {
+        (Ok(_), Some(err)) => Err(Failure::Collective(err)),
+        (outcome, _) => outcome,
+    }
+}
+
 /// Drop the worker on this thread, catching a panic in its `Drop`.
 fn drop_worker<W: RankWorker>(worker: W) -> Result<(), Failure<W::Error>> {
     catch_unwind(AssertUnwindSafe(move || drop(worker))).map_err(|payload| Failure::Panic(panic_message(&*payload)))
@@ -664,7 +714,14 @@ fn rank_main<W: RankWorker, F>(
 {
     let rank = ctx.rank;
     let mut worker = match guarded::<W, W>(|| factory(ctx)) {
-        Ok(worker) => worker,
+        Ok(worker) => match unless_aborted(ctx, Ok(())) {
+            Ok(()) => worker,
+            Err(failure) => {
+                shared.fail(rank, failure);
+                let _ = drop_worker(worker);
+                return;
+            }
+        },
         Err(failure) => return shared.fail(rank, failure),
     };
     // The "ready" round.
@@ -709,6 +766,7 @@ fn rank_main<W: RankWorker, F>(
             },
             _ => Err(Failure::Protocol("unknown op code")),
         };
+        let outcome = unless_aborted(ctx, outcome);
         if let Err(failure) = outcome {
             shared.fail(rank, failure);
             break;

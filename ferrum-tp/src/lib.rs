@@ -55,7 +55,7 @@ pub mod barrier;
 #[cfg(not(loom))]
 pub mod group;
 
-pub use all_reduce::{AllReduceRank, CollectiveError, CpuAllReduce};
+pub use all_reduce::{AbortOrigin, AllReduceRank, CollectiveError, CpuAllReduce};
 #[cfg(not(loom))]
 pub use barrier::StdBarrier;
 pub use barrier::{AbortableBarrier, BackoffPolicy, BarrierError, BarrierWaitResult, SpinParkBarrier};

@@ -290,6 +290,30 @@ fn deadline_met_is_ok() {
     }
 }
 
+/// The policy's fields are public: `spin_checks + yield_checks` past
+/// `u32::MAX` must mean "yield (practically) forever", not an overflow panic
+/// (debug) or a wrapped-around "park at once" (release).
+#[test]
+fn extreme_backoff_policy_does_not_overflow() {
+    let policy = BackoffPolicy { spin_checks: 1, spin_hints_cap: 1, yield_checks: u32::MAX };
+    let b = Arc::new(SpinParkBarrier::with_backoff(2, policy));
+    let on_timeout = {
+        let b = Arc::clone(&b);
+        move || b.abort()
+    };
+    with_watchdog(Duration::from_secs(30), on_timeout, move || {
+        let other = {
+            let b = Arc::clone(&b);
+            thread::spawn(move || b.wait())
+        };
+        // Let the other party run past its single spin read into the yields.
+        thread::sleep(Duration::from_millis(20));
+        let mine = b.wait().unwrap();
+        let theirs = other.join().expect("the waiter panicked").unwrap();
+        assert_ne!(mine.is_leader(), theirs.is_leader());
+    });
+}
+
 #[test]
 fn expired_deadline_races_completion_all_or_nothing() {
     // A party with an already-expired deadline races the round's completion:

@@ -12,7 +12,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use ferrum_tp::{
-    CollectiveError, CpuAllReduce, RankContext, RankWorker, SequenceId, StepInput, TpConfig, TpDecodeGroup, TpError,
+    AbortOrigin, CollectiveError, CpuAllReduce, RankContext, RankWorker, SequenceId, StepInput, TpConfig,
+    TpDecodeGroup, TpError,
 };
 
 fn with_watchdog<R: Send + 'static>(limit: Duration, f: impl FnOnce() -> R + Send + 'static) -> R {
@@ -67,6 +68,18 @@ enum Fault {
     PanicInDrop {
         rank: usize,
     },
+    /// Pass too long a buffer to the all-reduce on `rank` at step `k` (after
+    /// a pause, so the other ranks are blocked inside it), and return the
+    /// error.
+    TooLongAt {
+        rank: usize,
+        step: usize,
+    },
+    /// As `TooLongAt`, but the worker swallows the error and returns `Ok`.
+    TooLongIgnoredAt {
+        rank: usize,
+        step: usize,
+    },
 }
 
 const HIDDEN: usize = 576;
@@ -101,6 +114,16 @@ impl RankWorker for TestWorker {
                 // Give the other ranks time to block inside the all-reduce.
                 thread::sleep(Duration::from_millis(50));
                 panic!("injected panic on rank {rank} at step {k}");
+            }
+            Fault::TooLongAt { rank, step } if rank == self.rank && step == k => {
+                thread::sleep(Duration::from_millis(20));
+                ctx.all_reduce_sum(&mut vec![0.0; HIDDEN + 1])?;
+            }
+            Fault::TooLongIgnoredAt { rank, step } if rank == self.rank && step == k => {
+                thread::sleep(Duration::from_millis(20));
+                if ctx.all_reduce_sum(&mut vec![0.0; HIDDEN + 1]).is_err() {
+                    return Ok(());
+                }
             }
             _ => {}
         }
@@ -336,6 +359,47 @@ fn panic_at_step_k_while_others_are_in_all_reduce() {
     });
 }
 
+/// A rank aborts the all-reduce itself (too long a buffer) while the others
+/// are blocked in it: they wake with `Aborted` and fail, often before the
+/// culprit's worker has returned. The caller must still get the culprit's
+/// error, every time.
+#[test]
+fn too_long_all_reduce_reports_the_culprit_not_its_peers() {
+    with_watchdog(Duration::from_secs(120), || {
+        let too_long = CollectiveError::TooLong { len: HIDDEN + 1, max_len: HIDDEN };
+        for world in [2, 4] {
+            for culprit in [0, world - 1] {
+                for _ in 0..10 {
+                    let (g, _) = group(world, Fault::TooLongAt { rank: culprit, step: 2 });
+                    let mut g = g.unwrap();
+                    g.kv_init(SequenceId(1)).unwrap();
+                    for k in 0..2 {
+                        g.decode_step(k, k as usize, SequenceId(1)).unwrap();
+                    }
+                    match g.decode_step(2, 2, SequenceId(1)) {
+                        Err(TpError::Rank { rank, source: WorkerError::Collective(e) }) => {
+                            assert_eq!((rank, e), (culprit, too_long), "world {world}");
+                        }
+                        other => panic!("world {world}, culprit {culprit}: {other:?}"),
+                    }
+                    assert!(
+                        matches!(g.decode_step(3, 3, SequenceId(1)), Err(TpError::Poisoned { rank: Some(r) }) if r == culprit)
+                    );
+                }
+                // The worker swallows its TooLong and returns Ok: the group
+                // reports the all-reduce's error itself (and does not hang).
+                let (g, _) = group(world, Fault::TooLongIgnoredAt { rank: culprit, step: 0 });
+                let mut g = g.unwrap();
+                g.kv_init(SequenceId(1)).unwrap();
+                match g.decode_step(0, 0, SequenceId(1)) {
+                    Err(TpError::Collective { rank, source }) => assert_eq!((rank, source), (culprit, too_long)),
+                    other => panic!("world {world}, culprit {culprit}: {other:?}"),
+                }
+            }
+        }
+    });
+}
+
 #[test]
 fn factory_error_and_panic_are_reported() {
     with_watchdog(Duration::from_secs(30), || {
@@ -470,17 +534,12 @@ fn all_reduce_too_long_aborts_and_mismatch_is_reported() {
         let mut d = [1.0f32; 9];
         assert_eq!(a.sum(&mut d), Err(CollectiveError::TooLong { len: 9, max_len: 8 }));
         let (mismatch, aborted) = t.join().unwrap();
-        // With the spin-park barrier a round is all-or-nothing, so b sees the
-        // mismatch. The std barrier's abort is conservative: a party released
-        // by a completed round that checks the abort flag after `a` aborted
-        // reports Aborted.
-        if cfg!(feature = "barrier-std") {
-            assert!(matches!(mismatch, Err(CollectiveError::LengthMismatch | CollectiveError::Aborted)));
-        } else {
-            assert_eq!(mismatch, Err(CollectiveError::LengthMismatch));
-        }
+        // With either barrier a round is all-or-nothing, so b sees the
+        // mismatch even if `a` aborts before b has looked.
+        assert_eq!(mismatch, Err(CollectiveError::LengthMismatch));
         assert_eq!(aborted, Err(CollectiveError::Aborted));
         assert!(a.control().is_aborted());
+        assert_eq!(a.control().abort_origin(), Some(AbortOrigin::TooLong { rank: 0 }));
         assert_eq!(a.sum(&mut [0.0; 2]), Err(CollectiveError::Aborted));
     });
 }
@@ -494,6 +553,69 @@ fn all_reduce_abort_releases_a_blocked_rank() {
         control.abort();
         for t in blocked {
             assert_eq!(t.join().unwrap(), Err(CollectiveError::Aborted));
+        }
+    });
+}
+
+/// A rank's thread ends early (its handle is dropped mid-sequence): the
+/// others get `Aborted` instead of waiting for it forever.
+#[test]
+fn all_reduce_rank_dropped_mid_sequence_releases_the_others() {
+    with_watchdog(Duration::from_secs(30), || {
+        for world in [2, 3, 5] {
+            let (control, ranks) = CpuAllReduce::new(world, 16).unwrap();
+            let threads: Vec<_> = ranks
+                .into_iter()
+                .map(|h| {
+                    thread::spawn(move || {
+                        let calls = if h.rank() == 1 { 3 } else { 10 };
+                        for call in 0..calls {
+                            if let Err(e) = h.sum(&mut [1.0; 16]) {
+                                return (call, Err(e));
+                            }
+                        }
+                        if h.rank() == 1 {
+                            // Give the others time to block in call 3.
+                            thread::sleep(Duration::from_millis(50));
+                        }
+                        (calls, Ok(()))
+                    })
+                })
+                .collect();
+            for (rank, t) in threads.into_iter().enumerate() {
+                let (call, result) = t.join().unwrap();
+                if rank == 1 {
+                    assert_eq!((call, result), (3, Ok(())));
+                } else {
+                    assert_eq!((call, result), (3, Err(CollectiveError::Aborted)), "rank {rank}");
+                }
+            }
+            assert_eq!(control.abort_origin(), Some(AbortOrigin::Dropped { rank: 1 }));
+        }
+    });
+}
+
+/// Every rank drops its handle right after its last call: nobody's last call
+/// fails (with the std barrier too, whose abort used to fail a completed
+/// round that a party had not yet looked at).
+#[test]
+fn all_reduce_rank_dropped_after_the_last_call_is_harmless() {
+    with_watchdog(Duration::from_secs(60), || {
+        for _ in 0..500 {
+            let (control, ranks) = CpuAllReduce::new(2, 4).unwrap();
+            let threads: Vec<_> = ranks
+                .into_iter()
+                .map(|h| {
+                    thread::spawn(move || {
+                        let mut data = [h.rank() as f32; 4];
+                        h.sum(&mut data).map(|()| data)
+                    })
+                })
+                .collect();
+            for t in threads {
+                assert_eq!(t.join().unwrap(), Ok([1.0; 4]));
+            }
+            assert!(matches!(control.abort_origin(), Some(AbortOrigin::Dropped { .. })));
         }
     });
 }

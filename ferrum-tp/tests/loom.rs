@@ -11,7 +11,7 @@
 //! wake-ups as deadlocks and unordered slot accesses as data races.
 #![cfg(loom)]
 
-use ferrum_tp::{BackoffPolicy, BarrierError, CpuAllReduce, SpinParkBarrier};
+use ferrum_tp::{AbortOrigin, BackoffPolicy, BarrierError, CpuAllReduce, SpinParkBarrier};
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::Arc;
@@ -191,5 +191,22 @@ fn all_reduce_abort_releases_peer() {
         let t = thread::spawn(move || r0.sum(&mut [1.0]));
         control.abort();
         assert_eq!(t.join().unwrap(), Err(ferrum_tp::CollectiveError::Aborted));
+    });
+}
+
+/// A rank's handle is dropped (its thread ended early) while the other may
+/// be blocked in the all-reduce: it returns `Aborted`, never hangs, and the
+/// origin names the dropped rank. (Dropping the handles after the last call,
+/// as `all_reduce_two_ranks_three_calls` does, must fail no call.)
+#[test]
+fn all_reduce_dropped_rank_releases_peer() {
+    model(|| {
+        let (control, ranks) = CpuAllReduce::new(2, 1).unwrap();
+        let mut ranks = ranks.into_iter();
+        let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        let t = thread::spawn(move || r0.sum(&mut [1.0]));
+        drop(r1);
+        assert_eq!(t.join().unwrap(), Err(ferrum_tp::CollectiveError::Aborted));
+        assert_eq!(control.abort_origin(), Some(AbortOrigin::Dropped { rank: 1 }));
     });
 }

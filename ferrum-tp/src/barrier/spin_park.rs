@@ -195,6 +195,15 @@ impl BackoffPolicy {
     /// Park at once: lowest CPU use, highest latency.
     pub const PARK: Self = Self { spin_checks: 0, spin_hints_cap: SPIN_BACKOFF_CAP, yield_checks: 0 };
 
+    /// Reads of the barrier state (spin, then yield) before a waiter parks.
+    /// Saturating: the fields are public, so `u32::MAX` in both must mean
+    /// "practically never park", not an overflow (a panic in debug builds, a
+    /// wrapped-around "park at once" in release ones).
+    #[inline]
+    pub(crate) fn park_after(&self) -> u32 {
+        self.spin_checks.saturating_add(self.yield_checks)
+    }
+
     /// [`SPIN`](Self::SPIN) if `parties` ≤ the cores available to this
     /// process, else [`OVERSUBSCRIBED`](Self::OVERSUBSCRIBED).
     #[must_use]
@@ -406,6 +415,7 @@ impl SpinParkBarrier {
     #[inline]
     fn follow(&self, gen: usize, deadline: Option<Instant>) -> Result<BarrierWaitResult, BarrierError> {
         let policy = self.backoff;
+        let park_after = policy.park_after();
         let mut check = 0u32;
         loop {
             // Acquire: pairs with the leader's Release CAS, so that a party
@@ -427,11 +437,12 @@ impl SpinParkBarrier {
                 for _ in 0..hints {
                     hint::spin_loop();
                 }
-            } else if check < policy.spin_checks + policy.yield_checks {
+            } else if check < park_after {
                 thread::yield_now();
             } else {
                 return self.park(gen, deadline);
             }
+            // No overflow: `check < park_after <= u32::MAX` here (else we parked).
             check += 1;
         }
     }
@@ -560,5 +571,20 @@ impl AbortableBarrier for SpinParkBarrier {
 
     fn is_aborted(&self) -> bool {
         SpinParkBarrier::is_aborted(self)
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn park_after_saturates_instead_of_overflowing() {
+        let policy = BackoffPolicy { spin_checks: 1, spin_hints_cap: 1, yield_checks: u32::MAX };
+        assert_eq!(policy.park_after(), u32::MAX);
+        let policy = BackoffPolicy { spin_checks: u32::MAX, spin_hints_cap: 1, yield_checks: u32::MAX };
+        assert_eq!(policy.park_after(), u32::MAX);
+        assert_eq!(BackoffPolicy::SPIN.park_after(), SPIN_CHECKS + YIELD_CHECKS);
+        assert_eq!(BackoffPolicy::PARK.park_after(), 0);
     }
 }
