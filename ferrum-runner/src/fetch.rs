@@ -126,16 +126,12 @@ fn fetch_into(cache: &Path, progress: bool, download: &dyn Fn(&Path) -> Result<(
 /// Lower-case hex SHA-256 of a file's contents.
 pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f = File::open(path).map_err(|e| Error::io(path, e))?;
-    let mut hasher = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(|e| Error::io(path, e))?;
-        if n == 0 {
-            break;
-        }
-        hasher.update(&buf[..n]);
+    match copy_hashed(&mut f, &mut io::sink(), u64::MAX) {
+        Ok(sha) => Ok(sha),
+        Err(CopyError::Read(e) | CopyError::Write(e)) => Err(Error::io(path, e)),
+        // `u64::MAX` bytes cannot be exceeded: the count saturates there.
+        Err(CopyError::TooBig) => Err(Error::Fetch(format!("{}: larger than 2^64 bytes", path.display()))),
     }
-    Ok(hex(&hasher.finalize()))
 }
 
 /// Checks that `path`'s SHA-256 equals `expected` (hex, case-insensitive). Always rereads the file.
