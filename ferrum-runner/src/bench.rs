@@ -6,6 +6,8 @@
 //! steps, and the median (and worst) over the runs after the warm-up run is reported. With
 //! `--host-loop` (and on the CPU) every step is timed alone and the median (and p99) over all
 //! steps is reported.
+use std::fmt::Write as _;
+use std::io::Write as _;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -245,12 +247,27 @@ pub fn run(a: BenchArgs) -> Result<()> {
         bail!("--prompt-tokens, --gen-tokens and --runs must be at least 1");
     }
     let opts = a.model.to_options()?;
+    // Only a model on CUDA runs as one rank of a multi-process group: refuse the flags where
+    // they would be ignored (a synthetic model on CUDA refuses them when it opens).
+    if opts.dist.is_some() {
+        if a.all_reduce {
+            bail!("--all-reduce runs one thread per GPU in one process: drop --rank/--world-size/--rendezvous");
+        }
+        if opts.device == DeviceSpec::Cpu {
+            bail!("--rank/--world-size run one process per GPU: use --device cuda");
+        }
+    }
     if a.all_reduce {
         if a.profiler_range {
             bail!("--profiler-range brackets a model's decode, not --all-reduce");
         }
         return all_reduce(&a, &opts);
     }
+    // Checked before any model loads (`--prompt-tokens 18446744073709551615` overflows).
+    let capacity = a
+        .prompt_tokens
+        .checked_add(a.gen_tokens)
+        .context("--prompt-tokens + --gen-tokens overflow: give counts within the model's context")?;
     let (mut backend, cfg, bytes, name): (Box<dyn DecodeBackend>, ModelConfig, u64, String) =
         match (&a.synthetic, opts.device) {
             (Some(name), DeviceSpec::Cpu) => {
@@ -275,6 +292,15 @@ pub fn run(a: BenchArgs) -> Result<()> {
             }
             (None, DeviceSpec::Cuda(ordinal)) => file_cuda(ordinal, &opts)?,
         };
+    // Before the backend's set-up (the step tuning on CUDA): a bad request fails fast.
+    if capacity > cfg.max_position_embeddings {
+        bail!(
+            "--prompt-tokens + --gen-tokens ({} + {}) exceed the model's context of {}",
+            a.prompt_tokens,
+            a.gen_tokens,
+            cfg.max_position_embeddings
+        );
+    }
     // The bench decodes greedily: the screened LM head unless --full-head (the same tokens).
     let screened = !a.model.full_head
         && backend.set_screened_head(true).unwrap_or_else(|e| {
@@ -282,13 +308,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
             false
         });
     backend.prepare()?;
-    if a.prompt_tokens + a.gen_tokens > cfg.max_position_embeddings {
-        bail!("--prompt-tokens + --gen-tokens exceed the model's context of {}", cfg.max_position_embeddings);
-    }
     // A fixed pseudo-random prompt (not all zeros: real ids exercise real embedding rows).
     let prompt: Vec<u32> =
         (0..a.prompt_tokens).map(|i| ((i as u64 * 2_654_435_761 + 12345) % cfg.vocab_size as u64) as u32).collect();
-    let capacity = a.prompt_tokens + a.gen_tokens;
     let mut prefill_ms = Vec::new();
     let mut step_ms = Vec::new();
     let device = backend.has_device_decode() && !a.model.host_loop;
@@ -413,83 +435,105 @@ pub fn run(a: BenchArgs) -> Result<()> {
         prefill_kernel_profile,
         timeline,
     };
+    // The whole report in one write: a closed stdout (`| head`) is no error (see `print_out`).
+    let mut o = String::new();
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        writeln!(o, "{}", serde_json::to_string_pretty(&r)?)?;
     } else {
-        println!("model                 {}", r.model);
-        println!("backend               {}  ({} cores)", r.backend, r.threads);
-        println!("prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs);
-        println!("prefill               {:.2} ms (median)", r.prefill_ms_median);
-        println!("mode                  {}, LM head {}", r.mode, r.lm_head);
+        writeln!(o, "model                 {}", r.model)?;
+        writeln!(o, "backend               {}  ({} cores)", r.backend, r.threads)?;
+        writeln!(o, "prompt / gen tokens   {} / {} × {} runs", r.prompt_tokens, r.gen_tokens, r.runs)?;
+        writeln!(o, "prefill               {:.2} ms (median)", r.prefill_ms_median)?;
+        writeln!(o, "mode                  {}, LM head {}", r.mode, r.lm_head)?;
         let worst = if device { "worst run" } else { "p99" };
-        println!("decode                {:.3} ms/token median, {:.3} {worst}", med, r.decode_ms_per_token_p99);
+        writeln!(o, "decode                {:.3} ms/token median, {:.3} {worst}", med, r.decode_ms_per_token_p99)?;
         match (r.host_us_per_token, r.capture_ms) {
-            (Some(h), Some(c)) => println!("host per token        {h:.2} µs to queue a replay; capture {c:.1} ms"),
+            (Some(h), Some(c)) => writeln!(o, "host per token        {h:.2} µs to queue a replay; capture {c:.1} ms")?,
             (Some(h), None) => {
-                println!("host per token        {h:.2} µs to queue a replay (graphs captured before the runs)")
+                writeln!(o, "host per token        {h:.2} µs to queue a replay (graphs captured before the runs)")?
             }
             _ => {}
         }
-        println!("decode speed          {:.1} tok/s", r.decode_tok_per_s);
-        println!("weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s);
+        writeln!(o, "decode speed          {:.1} tok/s", r.decode_tok_per_s)?;
+        writeln!(o, "weights read / token  {:.1} MB → {:.1} GB/s", bytes as f64 / 1e6, r.achieved_gb_per_s)?;
         if let (Some(c), Some(f)) = (r.copy_gb_per_s, r.share_of_copy_bandwidth) {
-            println!("copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it", f * 100.0);
+            writeln!(
+                o,
+                "copy bandwidth        {c:.0} GB/s (device-to-device, read + write) → {:.1}% of it",
+                f * 100.0
+            )?;
         }
         for (rank, t) in r.timeline.iter().flatten().enumerate() {
             let span = t.span_us.map_or("?".into(), |s| format!("{s:.2}"));
-            println!(
+            writeln!(
+                o,
                 "timeline              rank {rank}: {} replays ({} unmapped), {span} µs from the first kernel's \
                  release to the last's, {} out of order; first grid ids {:?}",
                 t.replays, t.unmapped, t.out_of_order, t.first_grids
-            );
+            )?;
             if let (0, Some((stamps, nodes))) = (t.replays, t.first_unmapped) {
-                println!(
+                writeln!(
+                    o,
                     "  no replay mapped: the first had {stamps} stamps for {nodes} kernel nodes (each node must \
                      stamp once: ferrum_cuda::timeline::stamps says which do)"
-                );
+                )?;
             }
             if let Some(layer) = &t.layer {
                 let total: f64 = layer.iter().map(|(_, v, _)| v).sum();
-                println!(
+                writeln!(
+                    o,
                     "  one middle layer, {total:.2} µs (mean over the middle layers; then the phases its body \
                      stamps, µs after its earliest release: gemv.cu and attention.cu list them):"
-                );
+                )?;
                 for (name, v, ph) in layer {
                     let ph = phases_text(ph);
-                    println!("    {name:<40} {v:>7.2} µs{ph}");
+                    writeln!(o, "    {name:<40} {v:>7.2} µs{ph}")?;
                 }
             }
-            println!(
+            writeln!(
+                o,
                 "  every kernel of the step (mean µs to the next kernel's release, spread of the stamped \
                  releases, stamped blocks: the first 8 and every 32nd; their earliest and latest arrival \
                  at the wait, µs after the earliest release; the phases its body stamps):"
-            );
+            )?;
             for k in &t.kernels {
                 let m = k.mean_us.map_or("?".into(), |m| format!("{m:.2}"));
                 let ph = phases_text(&k.phases_us);
-                println!(
+                writeln!(
+                    o,
                     "    {:<40} {m:>7} {:>7.2} {:>6} {:>7.2} {:>7.2}{ph}",
                     k.name, k.spread_us, k.stamped_blocks, k.arrive_us.0, k.arrive_us.1
-                );
+                )?;
             }
         }
         for (what, rows) in [("one decode step", &r.kernel_profile), ("one prefill", &r.prefill_kernel_profile)] {
             let Some(rows) = rows else { continue };
             let total: f64 = rows.iter().map(|r| r.total_us).sum();
-            println!("kernel profile        {what}, {total:.1} µs with an event after every kernel:");
+            writeln!(o, "kernel profile        {what}, {total:.1} µs with an event after every kernel:")?;
             for k in rows {
-                println!(
+                writeln!(
+                    o,
                     "  {:<34} {:>4} × {:>8.2} µs = {:>9.1} µs  {:>5.1}%",
                     k.kernel,
                     k.launches,
                     k.total_us / k.launches as f64,
                     k.total_us,
                     k.share * 100.0
-                );
+                )?;
             }
         }
     }
-    Ok(())
+    print_out(&o)
+}
+
+/// Writes `text` to stdout; a closed stdout (`| head`, `| true`) is no error: the reader
+/// wanted no more.
+pub(crate) fn print_out(text: &str) -> Result<()> {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        r => r.context("writing the report to stdout"),
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -220,15 +220,20 @@ pub fn run(first: usize, tp: usize, n: usize, json: bool) -> Result<()> {
         }
         Err(e) => Err(e),
     };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&reports)?);
+    // One write of the whole report: a closed stdout (`| head`) is a quiet end, not a panic.
+    let text = if json {
+        serde_json::to_string_pretty(&reports)? + "\n"
     } else {
-        for r in &reports {
-            println!(
-                "all-reduce ({}) {} × {} ({} B) over {} GPUs: {:.2} µs in a graph, {:.2} µs eager",
-                r.algo, r.elements, r.dtype, r.bytes, r.ranks, r.graph_us, r.eager_us
-            );
-        }
-    }
+        reports
+            .iter()
+            .map(|r| {
+                format!(
+                    "all-reduce ({}) {} × {} ({} B) over {} GPUs: {:.2} µs in a graph, {:.2} µs eager\n",
+                    r.algo, r.elements, r.dtype, r.bytes, r.ranks, r.graph_us, r.eager_us
+                )
+            })
+            .collect()
+    };
+    crate::bench::print_out(&text)?;
     peer.context("the one-shot peer all-reduce")
 }

@@ -18,7 +18,8 @@ pub struct ModelArgs {
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
-    /// f32, f16 or bf16. Default: GGUF weights stay quantized on the CPU; bf16 on GPUs.
+    /// f32, f16 or bf16. Default: GGUF weights stay quantized on the CPU; on GPUs f16 for an f16
+    /// checkpoint, else bf16.
     #[arg(long)]
     pub dtype: Option<String>,
     /// Multi-process TP: this process's rank (one process per GPU; GPU = (N of cuda:N + rank)

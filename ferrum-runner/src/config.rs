@@ -5,9 +5,11 @@
 //! RMSNorm). Loaders fill it from `config.json` or GGUF metadata and call
 //! [`ModelConfig::validate`] before anything is allocated from it.
 
+use candle_core::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::load::ModelSource;
 
 /// The architecture family. All are pre-norm decoders with RMSNorm, RoPE (half-split, as in
 /// HF transformers), grouped-query attention and a SwiGLU MLP; they differ only in the flags
@@ -17,7 +19,8 @@ use crate::error::{Error, Result};
 pub enum Arch {
     /// Llama 2/3, TinyLlama, SmolLM2.
     Llama,
-    /// Mistral (no sliding window at the context lengths ferrum serves).
+    /// Mistral. Its sliding-window attention is served by capping the context at the window
+    /// (below it the window masks nothing): Mistral-7B-v0.1 runs 4096 positions, not 32768.
     Mistral,
     /// Qwen2 / Qwen2.5: bias on the q, k and v projections.
     Qwen2,
@@ -71,7 +74,9 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_scaling: Option<Llama3RopeScaling>,
     pub rms_norm_eps: f64,
-    /// The longest context the model was trained for; also the default KV capacity.
+    /// The longest context the model was trained for, capped at the attention window of a
+    /// model whose layers slide (see [`ModelConfig::from_hf_config_json`]); also the default KV
+    /// capacity.
     pub max_position_embeddings: usize,
     /// LM head shares the embedding matrix.
     pub tie_word_embeddings: bool,
@@ -190,5 +195,82 @@ impl ModelConfig {
                 }
             })
             .collect()
+    }
+}
+
+/// The dtype a checkpoint says its weights are stored in: an HF folder's `config.json`
+/// `dtype`/`torch_dtype`, a GGUF file's `general.file_type` (F32, F16 or BF16 files; `None` for
+/// quantized ones and when it says nothing).
+pub fn checkpoint_dtype(source: &ModelSource) -> Result<Option<DType>> {
+    match source {
+        ModelSource::Gguf { metadata, .. } => Ok(crate::gguf::file_type_dtype(metadata)),
+        ModelSource::HfDir { path } => crate::hf::read_config_dtype(path),
+    }
+}
+
+/// The dtype a GPU runs a model in: `--dtype` when given; else f16 for a checkpoint stored in
+/// f16 (exact there, where bf16 would drop 3 of each weight's 10 mantissa bits); else bf16.
+pub fn gpu_run_dtype(explicit: Option<DType>, checkpoint: Option<DType>) -> DType {
+    match (explicit, checkpoint) {
+        (Some(d), _) => d,
+        (None, Some(DType::F16)) => DType::F16,
+        (None, _) => DType::BF16,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_dtype_follows_an_f16_checkpoint_unless_told() {
+        assert_eq!(gpu_run_dtype(None, Some(DType::F16)), DType::F16);
+        for ckpt in [None, Some(DType::BF16), Some(DType::F32)] {
+            assert_eq!(gpu_run_dtype(None, ckpt), DType::BF16, "{ckpt:?}");
+        }
+        for d in [DType::BF16, DType::F16, DType::F32] {
+            assert_eq!(gpu_run_dtype(Some(d), Some(DType::F16)), d);
+            assert_eq!(gpu_run_dtype(Some(d), Some(DType::BF16)), d);
+        }
+    }
+
+    #[test]
+    fn checkpoint_dtype_reads_config_json_and_gguf_file_type() {
+        use candle_core::quantized::gguf_file::Value as Gv;
+        let dir = tempfile::tempdir().unwrap();
+        let hf = ModelSource::HfDir { path: dir.path().to_path_buf() };
+        // config.json is read again: a folder without one is an error naming it, not a guess.
+        assert!(matches!(checkpoint_dtype(&hf), Err(Error::Io { .. })));
+        for (entry, want) in [
+            (r#""torch_dtype": "float16""#, Some(DType::F16)),
+            (r#""dtype": "float16", "torch_dtype": "bfloat16""#, Some(DType::F16)),
+            (r#""dtype": null, "torch_dtype": "float16""#, Some(DType::F16)),
+            (r#""torch_dtype": "bfloat16""#, Some(DType::BF16)),
+            (r#""dtype": "float32""#, Some(DType::F32)),
+            (r#""torch_dtype": "int8""#, None),
+            (r#""torch_dtype": 16"#, None),
+            (r#""model_type": "llama""#, None),
+        ] {
+            std::fs::write(dir.path().join("config.json"), format!("{{{entry}}}")).unwrap();
+            assert_eq!(checkpoint_dtype(&hf).unwrap(), want, "{entry}");
+        }
+        let gguf = |file_type: Option<Gv>| {
+            let metadata = file_type.into_iter().map(|v| ("general.file_type".to_string(), v)).collect();
+            ModelSource::Gguf { path: "m.gguf".into(), metadata }
+        };
+        for (ft, want) in [
+            (Some(Gv::U32(1)), Some(DType::F16)),
+            (Some(Gv::U32(0)), Some(DType::F32)),
+            (Some(Gv::U32(32)), Some(DType::BF16)),
+            (Some(Gv::U32(3)), None), // Q4_1
+            (Some(Gv::String("1".into())), None),
+            (None, None),
+        ] {
+            assert_eq!(checkpoint_dtype(&gguf(ft.clone())).unwrap(), want, "{ft:?}");
+        }
+        // The real default model is Q4_1: bf16 on GPUs, as before.
+        let gpu = |s: &ModelSource| gpu_run_dtype(None, checkpoint_dtype(s).unwrap());
+        assert_eq!(gpu(&gguf(Some(Gv::U32(3)))), DType::BF16);
+        assert_eq!(gpu(&gguf(Some(Gv::U32(1)))), DType::F16);
     }
 }

@@ -1,7 +1,8 @@
 //! The CUDA backend: turns [`ModelWeights`] into ferrum-cuda's [`CudaDecodeRunner`] (one GPU)
 //! and drives it through [`DecodeBackend`].
 //!
-//! Weights are converted on the host to the GPU dtype (bf16 unless `--dtype f16`); quantized GGUF
+//! Weights are converted on the host to the GPU dtype (`--dtype`, else f16 for an f16
+//! checkpoint and bf16 for any other: [`crate::config::gpu_run_dtype`]); quantized GGUF
 //! linears are dequantized first. `--synthetic` shapes get random weights generated on the GPU.
 
 use candle_core::{DType, Tensor};
@@ -58,12 +59,13 @@ pub fn spec_of(cfg: &ModelConfig) -> CudaModelSpec {
     }
 }
 
-/// The GPU dtype for `--dtype` (`None`: bf16).
-pub fn gpu_dtype(d: Option<DType>) -> Result<ferrum_cuda::DType> {
-    match d {
-        None | Some(DType::BF16) => Ok(ferrum_cuda::DType::BF16),
-        Some(DType::F16) => Ok(ferrum_cuda::DType::F16),
-        Some(other) => Err(Error::InvalidInput(format!("--device cuda runs f16 or bf16, not {other:?}"))),
+/// The GPU dtype for `--dtype` and the checkpoint's own dtype ([`crate::config::gpu_run_dtype`]:
+/// `--dtype` wins; else f16 for an f16 checkpoint, bf16 otherwise).
+pub fn gpu_dtype(d: Option<DType>, checkpoint: Option<DType>) -> Result<ferrum_cuda::DType> {
+    match crate::config::gpu_run_dtype(d, checkpoint) {
+        DType::BF16 => Ok(ferrum_cuda::DType::BF16),
+        DType::F16 => Ok(ferrum_cuda::DType::F16),
+        other => Err(Error::InvalidInput(format!("--device cuda runs f16 or bf16, not {other:?}"))),
     }
 }
 
@@ -678,7 +680,7 @@ pub(crate) fn device_run(
 /// Opens a loaded model on GPU `ordinal` (with `opts.tp > 1`: on GPUs `ordinal ..
 /// ordinal + tp` in one process; with `opts.dist`: this process's rank of a multi-process group).
 pub fn open(m: &LoadedModel, ordinal: usize, opts: &SessionOptions, progress: bool) -> Result<Box<dyn DecodeBackend>> {
-    let dtype = gpu_dtype(opts.dtype)?;
+    let dtype = gpu_dtype(opts.dtype, crate::config::checkpoint_dtype(&m.source)?)?;
     if let Some(dist) = &opts.dist {
         warn_one_gpu_knobs();
         return crate::cuda_tp::open_process_rank(&m.weights, ordinal, opts.tp, dist, dtype, progress);
@@ -735,7 +737,7 @@ pub fn open_synthetic(
     opts: &SessionOptions,
 ) -> Result<(Box<dyn DecodeBackend>, u64)> {
     cfg.validate()?;
-    let dtype = gpu_dtype(opts.dtype)?;
+    let dtype = gpu_dtype(opts.dtype, None)?;
     if opts.dist.is_some() {
         return Err(Error::InvalidInput("synthetic models run in one process (drop --rank/--world-size)".into()));
     }

@@ -22,6 +22,12 @@ pub struct GenerateOptions {
     pub device_loop: bool,
 }
 
+/// The largest `1 / temperature` the device's Gumbel draw is given. It scales the logits by
+/// `1 / T` before it adds the noise, so a larger factor could overflow logits to +inf, and the
+/// tie among them would go to the smallest index rather than the largest logit; past it (T below
+/// 1e-30, all but greedy) the host draws, whose softmax subtracts the maximum first.
+pub const MAX_DEVICE_INV_TEMPERATURE: f32 = 1e30;
+
 impl GenerateOptions {
     /// How the device can choose tokens for these settings, if it can (see
     /// [`device_loop`](Self::device_loop)).
@@ -31,7 +37,7 @@ impl GenerateOptions {
             None
         } else if s.is_greedy() {
             Some(DeviceSampling::Greedy)
-        } else if s.top_k == 0 && s.top_p >= 1.0 {
+        } else if s.top_k == 0 && s.top_p >= 1.0 && 1.0 / s.temperature <= MAX_DEVICE_INV_TEMPERATURE {
             Some(DeviceSampling::Temperature { temperature: s.temperature, seed: s.seed })
         } else {
             None
@@ -63,6 +69,17 @@ mod tests {
         assert_eq!(top_p.device_sampling(), None, "top-p samples on the host");
         assert_eq!(opts(0.0, 0, true, true).device_sampling(), None, "--dump-logits needs every step's logits");
         assert_eq!(opts(0.0, 0, false, false).device_sampling(), None, "--host-loop");
+    }
+
+    #[test]
+    fn temperatures_whose_scaled_logits_could_overflow_draw_on_the_host() {
+        let seed = SamplingParams::default().seed;
+        assert_eq!(
+            opts(1e-29, 0, false, true).device_sampling(),
+            Some(DeviceSampling::Temperature { temperature: 1e-29, seed })
+        );
+        assert_eq!(opts(1e-31, 0, false, true).device_sampling(), None);
+        assert_eq!(opts(f32::MIN_POSITIVE, 0, false, true).device_sampling(), None);
     }
 
     #[test]

@@ -511,6 +511,17 @@ fn md_str<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Option<&'a st
     }
 }
 
+/// The dtype of a GGUF file's weights by its `general.file_type` (llama.cpp's `llama_ftype`):
+/// F32 (0), F16 (1) or BF16 (32); `None` for a quantized file or none said.
+pub fn file_type_dtype(md: &HashMap<String, Value>) -> Option<DType> {
+    match md.get("general.file_type").and_then(value_as_u64)? {
+        0 => Some(DType::F32),
+        1 => Some(DType::F16),
+        32 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
 fn token_u32(md: &HashMap<String, Value>, key: &str) -> Result<Option<u32>> {
     match md_uint(md, key)? {
         None => Ok(None),
@@ -737,6 +748,10 @@ impl GgufFile {
             .ok_or_else(|| Error::BadConfig("general.architecture is missing".into()))?;
         let arch = Arch::parse(arch_name)?;
         let k = |s: &str| format!("{arch_name}.{s}");
+        // Mixtral is arch `llama` with experts: refuse it by its key, before reading any tensor.
+        if let Some(n) = md_usize(md, &k("expert_count"))?.filter(|&n| n > 0) {
+            return Err(Error::BadConfig(format!("mixture-of-experts (expert_count {n}) is not supported")));
+        }
         let hidden_size = md_req(md, &k("embedding_length"))?;
         let num_heads = md_req(md, &k("attention.head_count"))?;
         let num_kv_heads = md_usize(md, &k("attention.head_count_kv"))?.unwrap_or(num_heads);
@@ -761,13 +776,22 @@ impl GgufFile {
                 )));
             }
         }
+        // As llama.cpp reads them: the factor (or the older `rope.scale_linear`) scales positions
+        // by 1/factor, 0 meaning none; a missing type is linear, and type `none` never scales.
+        let factor_key = match md.contains_key(&k("rope.scaling.factor")) {
+            true => k("rope.scaling.factor"),
+            false => k("rope.scale_linear"),
+        };
+        let factor = md_float(md, &factor_key)?;
         match md_str(md, &k("rope.scaling.type"))? {
-            None | Some("none") => {}
+            Some("none") => {}
             Some(t) => return Err(Error::BadConfig(format!("rope scaling type `{t}` is not supported"))),
-        }
-        if let Some(f) = md_float(md, &k("rope.scale_linear"))? {
-            if f != 1.0 {
-                return Err(Error::BadConfig(format!("linear rope scaling ({f}) is not supported")));
+            None => {
+                if let Some(f) = factor.filter(|&f| f != 0.0 && f != 1.0) {
+                    return Err(Error::BadConfig(format!(
+                        "`{factor_key}` {f} with no rope.scaling.type is linear RoPE scaling, which is not supported"
+                    )));
+                }
             }
         }
         let vocab_size = match md_usize(md, &k("vocab_size"))? {
@@ -806,8 +830,11 @@ impl GgufFile {
             head_dim,
             rope_theta: md_float(md, &k("rope.freq_base"))?.unwrap_or(10000.0) as f32,
             rope_scaling: None,
-            rms_norm_eps: md_float(md, &k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
-            max_position_embeddings: md_usize(md, &k("context_length"))?.unwrap_or(2048),
+            // Both required, as llama.cpp requires them: a default would be a guess.
+            rms_norm_eps: md_float(md, &k("attention.layer_norm_rms_epsilon"))?.ok_or_else(|| {
+                Error::BadConfig(format!("metadata `{}` is missing", k("attention.layer_norm_rms_epsilon")))
+            })?,
+            max_position_embeddings: md_req(md, &k("context_length"))?,
             tie_word_embeddings: !self.has_tensor(&gguf_tensor_name(WeightName::LmHead)),
             attention_bias,
             qk_norm: arch == Arch::Qwen3,

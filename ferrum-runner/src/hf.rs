@@ -125,6 +125,116 @@ fn parse_rope_scaling(v: Option<&Value>) -> Result<Option<Llama3RopeScaling>> {
     }
 }
 
+/// transformers' `sliding_window` when `config.json` has no such key (MistralConfig,
+/// Qwen2Config and Qwen3Config alike).
+const DEFAULT_SLIDING_WINDOW: usize = 4096;
+
+/// transformers' Qwen2/Qwen3 `max_window_layers` when `config.json` has no such key.
+const DEFAULT_MAX_WINDOW_LAYERS: usize = 28;
+
+/// The attention window of the layers that slide, as transformers reads the config; `None`
+/// when no layer slides.
+///
+/// - Mistral: every layer slides by `sliding_window` (absent: 4096; null: no window).
+/// - Qwen2/Qwen3: only with `use_sliding_window: true` (otherwise transformers drops the
+///   window); the layers `layer_types` marks `sliding_attention`, or without `layer_types` the
+///   layers from `max_window_layers` (default 28) on. A `sliding_attention` layer with no
+///   window in effect is an error (transformers fails on it at the first forward).
+/// - Llama: transformers' Llama has no sliding window; the key is ignored.
+fn sliding_window(o: &Map<String, Value>, arch: Arch, num_layers: usize) -> Result<Option<usize>> {
+    let window = || -> Result<Option<usize>> {
+        match o.get("sliding_window") {
+            None => Ok(Some(DEFAULT_SLIDING_WINDOW)),
+            Some(_) => match get_usize(o, "sliding_window")? {
+                Some(0) => Err(bad("`sliding_window` must be at least 1")),
+                w => Ok(w),
+            },
+        }
+    };
+    match arch {
+        Arch::Llama => Ok(None),
+        Arch::Mistral => window(),
+        Arch::Qwen2 | Arch::Qwen3 => {
+            let window = if get_bool(o, "use_sliding_window")?.unwrap_or(false) { window()? } else { None };
+            let slides = match o.get("layer_types") {
+                None | Some(Value::Null) => match window {
+                    Some(_) => get_usize(o, "max_window_layers")?.unwrap_or(DEFAULT_MAX_WINDOW_LAYERS) < num_layers,
+                    None => false,
+                },
+                Some(Value::Array(types)) => {
+                    if types.len() != num_layers {
+                        return Err(bad(format!(
+                            "`layer_types` lists {} layers, but num_hidden_layers is {num_layers}",
+                            types.len()
+                        )));
+                    }
+                    let mut slides = false;
+                    for t in types {
+                        match t.as_str() {
+                            Some("full_attention") => {}
+                            Some("sliding_attention") => slides = true,
+                            _ => {
+                                return Err(bad(format!(
+                                    "`layer_types` entry {t} is not supported (supported: full_attention, \
+                                     sliding_attention)"
+                                )))
+                            }
+                        }
+                    }
+                    if slides && window.is_none() {
+                        return Err(bad(
+                            "`layer_types` has sliding_attention layers, but no sliding window is in effect \
+                             (`use_sliding_window` is false or `sliding_window` is null)",
+                        ));
+                    }
+                    slides
+                }
+                Some(v) => return Err(bad(format!("`layer_types` must be a list, got {v}"))),
+            };
+            Ok(window.filter(|_| slides))
+        }
+    }
+}
+
+/// Refuses partial RoPE: `partial_rotary_factor` other than 1 (top level, or in
+/// `rope_parameters` / `rope_scaling` as newer transformers writes it) rotates only part of
+/// each head, which ferrum does not do.
+fn check_partial_rotary(o: &Map<String, Value>) -> Result<()> {
+    let nested = |k: &str| o.get(k).and_then(Value::as_object);
+    for (scope, obj) in
+        [("", Some(o)), ("rope_parameters.", nested("rope_parameters")), ("rope_scaling.", nested("rope_scaling"))]
+    {
+        if let Some(f) = obj.map(|obj| get_f64(obj, "partial_rotary_factor")).transpose()?.flatten() {
+            if f != 1.0 {
+                return Err(bad(format!("partial RoPE (`{scope}partial_rotary_factor` {f}) is not supported")));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The dtype a `config.json` says the checkpoint's weights are stored in (`dtype`, or the older
+/// `torch_dtype`): `None` when it says nothing ferrum knows (it is only a hint for the GPU
+/// dtype, [`crate::config::gpu_run_dtype`]).
+pub fn config_json_dtype(json: &str) -> Option<DType> {
+    let v: Value = serde_json::from_str(json).ok()?;
+    let o = v.as_object()?;
+    let name = o.get("dtype").filter(|d| !d.is_null()).or_else(|| o.get("torch_dtype"))?.as_str()?;
+    match name.strip_prefix("torch.").unwrap_or(name) {
+        "float16" | "half" => Some(DType::F16),
+        "bfloat16" => Some(DType::BF16),
+        "float32" | "float" => Some(DType::F32),
+        _ => None,
+    }
+}
+
+/// [`config_json_dtype`] of `dir/config.json`.
+pub fn read_config_dtype(dir: &Path) -> Result<Option<DType>> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    Ok(config_json_dtype(&text))
+}
+
 impl ModelConfig {
     /// Parses a Hugging Face `config.json` of a Llama-family model and validates it.
     ///
@@ -132,7 +242,14 @@ impl ModelConfig {
     /// `head_dim` = `hidden_size / num_attention_heads`, `rope_theta` = 10000,
     /// `rms_norm_eps` = 1e-6, `tie_word_embeddings` = false. Qwen2 always has q/k/v bias;
     /// Llama and Qwen3 follow `attention_bias` (which also puts a bias on o_proj); Mistral has
-    /// none. `rope_scaling` may be absent, `default` or `llama3`; other types are an error.
+    /// none. `rope_scaling` may be absent, `default` or `llama3`; other types are an error, and
+    /// so is a `partial_rotary_factor` other than 1. `mlp_bias: true` is an error for Llama
+    /// (transformers' Mistral and Qwen MLPs have no bias whatever it says, so there it is ignored).
+    ///
+    /// Sliding-window attention ([`sliding_window`]: Mistral's `sliding_window`, Qwen's
+    /// `use_sliding_window` layers) caps `max_position_embeddings` at the window: below the
+    /// window it masks nothing, so the capped model is exact, and ferrum has no windowed
+    /// attention to go further.
     pub fn from_hf_config_json(json: &str) -> Result<ModelConfig> {
         let v: Value = serde_json::from_str(json).map_err(|e| bad(format!("config.json is not valid JSON: {e}")))?;
         let o = v.as_object().ok_or_else(|| bad("config.json is not a JSON object"))?;
@@ -173,17 +290,30 @@ impl ModelConfig {
             Some(v) if !v.is_null() => parse_rope_scaling(Some(v))?,
             _ => parse_rope_scaling(o.get("rope_parameters"))?,
         };
+        check_partial_rotary(o)?;
+        let num_layers = req_usize(o, "num_hidden_layers")?;
         let default_ctx = match arch {
             Arch::Llama => 2048,
             Arch::Mistral => 131072,
             Arch::Qwen2 | Arch::Qwen3 => 32768,
         };
+        let mut max_position_embeddings = get_usize(o, "max_position_embeddings")?.unwrap_or(default_ctx);
+        if let Some(window) = sliding_window(o, arch, num_layers)? {
+            if window < max_position_embeddings {
+                tracing::warn!(
+                    sliding_window = window,
+                    max_position_embeddings,
+                    "the context is capped at the sliding window (exact below it; ferrum has no windowed attention)"
+                );
+                max_position_embeddings = window;
+            }
+        }
         let attention_bias = match arch {
             Arch::Qwen2 => true,
             Arch::Mistral => false,
             Arch::Llama | Arch::Qwen3 => get_bool(o, "attention_bias")?.unwrap_or(false),
         };
-        if get_bool(o, "mlp_bias")? == Some(true) {
+        if arch == Arch::Llama && get_bool(o, "mlp_bias")? == Some(true) {
             return Err(bad("`mlp_bias: true` is not supported"));
         }
         let bos_token_id = match o.get("bos_token_id") {
@@ -195,14 +325,14 @@ impl ModelConfig {
             vocab_size: req_usize(o, "vocab_size")?,
             hidden_size,
             intermediate_size: req_usize(o, "intermediate_size")?,
-            num_layers: req_usize(o, "num_hidden_layers")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
             rope_theta: rope_theta as f32,
             rope_scaling,
             rms_norm_eps: get_f64(o, "rms_norm_eps")?.unwrap_or(1e-6),
-            max_position_embeddings: get_usize(o, "max_position_embeddings")?.unwrap_or(default_ctx),
+            max_position_embeddings,
             tie_word_embeddings: get_bool(o, "tie_word_embeddings")?.unwrap_or(false),
             attention_bias,
             qk_norm: arch == Arch::Qwen3,
@@ -249,6 +379,19 @@ impl ModelConfig {
         );
         o.insert("rms_norm_eps".into(), self.rms_norm_eps.into());
         o.insert("max_position_embeddings".into(), self.max_position_embeddings.into());
+        // The window, stated, so transformers reads the folder as ferrum does: absent, it would
+        // take Mistral's window to be 4096. A read config is already capped at its window, and a
+        // window of the whole context masks nothing within it; Qwen's window is off.
+        match self.arch {
+            Arch::Llama => {}
+            Arch::Mistral => {
+                o.insert("sliding_window".into(), self.max_position_embeddings.into());
+            }
+            Arch::Qwen2 | Arch::Qwen3 => {
+                o.insert("use_sliding_window".into(), false.into());
+                o.insert("sliding_window".into(), Value::Null);
+            }
+        }
         o.insert("tie_word_embeddings".into(), self.tie_word_embeddings.into());
         o.insert("attention_bias".into(), self.attention_bias.into());
         o.insert("bos_token_id".into(), self.bos_token_id.map_or(Value::Null, Value::from));
@@ -598,6 +741,150 @@ mod tests {
         let e = ModelConfig::from_hf_config_json(&min.replace("\"vocab_size\"", "\"rope_theta\":1e39,\"vocab_size\""))
             .unwrap_err();
         assert!(matches!(e, Error::BadConfig(ref m) if m.contains("rope_theta")), "{e}");
+    }
+
+    fn parse(json: &str) -> Result<ModelConfig> {
+        ModelConfig::from_hf_config_json(json)
+    }
+
+    fn bad_config_mentions(json: &str, needle: &str) {
+        match parse(json) {
+            Err(Error::BadConfig(m)) => assert!(m.contains(needle), "`{m}` does not mention `{needle}`"),
+            other => panic!("expected a BadConfig naming `{needle}`, got {other:?}"),
+        }
+    }
+
+    const MIN_LLAMA: &str = r#"{"model_type":"llama","hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+                      "num_attention_heads":4,"vocab_size":256}"#;
+
+    #[test]
+    fn mistral_sliding_window_caps_the_context() {
+        // Mistral-7B-v0.1: a 4096 window, 32768 positions. Below 4096 positions the window
+        // masks nothing, so the cap is exact; past it full attention would be wrong.
+        let c = parse(MISTRAL_7B).unwrap();
+        assert_eq!(c.max_position_embeddings, 4096);
+        // Absent: transformers' MistralConfig defaults the window to 4096.
+        let absent = MISTRAL_7B.replace("\"sliding_window\": 4096,", "");
+        assert!(!absent.contains("sliding_window"));
+        assert_eq!(parse(&absent).unwrap().max_position_embeddings, 4096);
+        let min = MIN_LLAMA.replace("llama", "mistral");
+        assert_eq!(parse(&min).unwrap().max_position_embeddings, 4096);
+        // null: no window (Mistral-7B-v0.2 and later), the trained context stands.
+        let none = MISTRAL_7B.replace("\"sliding_window\": 4096", "\"sliding_window\": null");
+        assert_eq!(parse(&none).unwrap().max_position_embeddings, 32768);
+        // A window at least as wide as the context changes nothing.
+        for w in ["32768", "65536"] {
+            let wide = MISTRAL_7B.replace("\"sliding_window\": 4096", &format!("\"sliding_window\": {w}"));
+            assert_eq!(parse(&wide).unwrap().max_position_embeddings, 32768, "{w}");
+        }
+        for bad in ["0", "-1", "1.5", "\"x\""] {
+            bad_config_mentions(
+                &MISTRAL_7B.replace("\"sliding_window\": 4096", &format!("\"sliding_window\": {bad}")),
+                "sliding_window",
+            );
+        }
+        // Llama has no sliding window in transformers: the key is ignored there.
+        let llama =
+            MIN_LLAMA.replace("\"vocab_size\"", "\"sliding_window\":16,\"max_position_embeddings\":64,\"vocab_size\"");
+        assert_eq!(parse(&llama).unwrap().max_position_embeddings, 64);
+        // A written folder states the window, so transformers reading it back agrees (an absent
+        // key would mean 4096 to it), and ferrum reads the same config back.
+        for c in [parse(MISTRAL_7B).unwrap(), parse(&none).unwrap()] {
+            let json = c.to_hf_config_json();
+            let v: Value = serde_json::from_str(&json).unwrap();
+            let w = v["sliding_window"].as_u64().map(|w| w as usize);
+            assert!(w.is_none_or(|w| w >= c.max_position_embeddings), "{json}");
+            assert_eq!(parse(&json).unwrap(), c);
+        }
+    }
+
+    #[test]
+    fn qwen_sliding_layers_cap_the_context() {
+        let set = |base: &str, edits: &[(&str, &str)]| {
+            let mut s = base.to_string();
+            for (from, to) in edits {
+                assert!(s.contains(from), "{from}");
+                s = s.replace(from, to);
+            }
+            s
+        };
+        let ctx = |json: &str| parse(json).unwrap().max_position_embeddings;
+        let on = ("\"use_sliding_window\": false", "\"use_sliding_window\": true");
+        // The real configs: use_sliding_window false, so no layer slides whatever the window.
+        assert_eq!(ctx(QWEN25_05B), 32768);
+        assert_eq!(ctx(QWEN3_06B), 40960);
+        // Qwen2.5-0.5B with the window on: layers 21.. of 24 slide (max_window_layers 21).
+        let w4k = ("\"sliding_window\": 32768", "\"sliding_window\": 4096");
+        assert_eq!(ctx(&set(QWEN25_05B, &[on, w4k])), 4096);
+        // max_window_layers at or past the layer count: every layer is full attention.
+        let all_full = ("\"max_window_layers\": 21", "\"max_window_layers\": 24");
+        assert_eq!(ctx(&set(QWEN25_05B, &[on, w4k, all_full])), 32768);
+        // max_window_layers absent: transformers' default 28 (> 24 layers): nothing slides.
+        assert_eq!(ctx(&set(QWEN25_05B, &[on, w4k, ("\"max_window_layers\": 21,", "")])), 32768);
+        // The window on but null: nothing slides, even with every layer past max_window_layers.
+        assert_eq!(ctx(&set(QWEN3_06B, &[on, ("\"max_window_layers\": 28", "\"max_window_layers\": 0")])), 40960);
+        // Qwen3-0.6B with the window on and absent (default 4096), max_window_layers 0.
+        let q3 = set(
+            QWEN3_06B,
+            &[on, ("\"sliding_window\": null,", ""), ("\"max_window_layers\": 28", "\"max_window_layers\": 0")],
+        );
+        assert_eq!(ctx(&q3), 4096);
+        // Explicit layer_types decide, not max_window_layers.
+        let types = |kinds: &[&str]| {
+            let list: Vec<String> = (0..24).map(|i| format!("\"{}\"", kinds[i % kinds.len()])).collect();
+            ("\"vocab_size\"", format!("\"layer_types\": [{}], \"vocab_size\"", list.join(",")))
+        };
+        let (k, v) = types(&["full_attention", "sliding_attention"]);
+        assert_eq!(ctx(&set(QWEN25_05B, &[on, w4k, all_full, (k, &v)])), 4096);
+        let (k, v) = types(&["full_attention"]);
+        assert_eq!(ctx(&set(QWEN25_05B, &[on, w4k, (k, &v)])), 32768);
+        // Sliding layers with no window in effect: transformers fails at its first forward.
+        let (k, v) = types(&["sliding_attention"]);
+        bad_config_mentions(&set(QWEN25_05B, &[(k, &v)]), "sliding_attention");
+        // A list of the wrong length, or a kind of attention ferrum does not have.
+        let short = set(QWEN25_05B, &[on, ("\"vocab_size\"", "\"layer_types\": [\"full_attention\"], \"vocab_size\"")]);
+        bad_config_mentions(&short, "layer_types");
+        let (k, v) = types(&["full_attention", "chunked_attention"]);
+        bad_config_mentions(&set(QWEN25_05B, &[on, (k, &v)]), "chunked_attention");
+        bad_config_mentions(
+            &set(QWEN25_05B, &[on, ("\"sliding_window\": 32768", "\"sliding_window\": 0")]),
+            "sliding_window",
+        );
+        // A written Qwen folder turns the window off (the context is already capped).
+        let c = parse(&set(QWEN25_05B, &[on, w4k])).unwrap();
+        let json = c.to_hf_config_json();
+        let v: Value = serde_json::from_str(&json).unwrap();
+        assert_eq!(v["use_sliding_window"], Value::Bool(false), "{json}");
+        assert_eq!(parse(&json).unwrap(), c);
+    }
+
+    #[test]
+    fn partial_rotary_factor_other_than_one_is_refused() {
+        let with = |entry: &str| MIN_LLAMA.replace("\"vocab_size\"", &format!("{entry},\"vocab_size\""));
+        for f in ["0.5", "0.25", "2", "0", "\"half\""] {
+            bad_config_mentions(&with(&format!("\"partial_rotary_factor\":{f}")), "partial_rotary_factor");
+            for key in ["rope_parameters", "rope_scaling"] {
+                let nested = format!("\"{key}\":{{\"rope_type\":\"default\",\"partial_rotary_factor\":{f}}}");
+                bad_config_mentions(&with(&nested), "partial_rotary_factor");
+            }
+        }
+        parse(&with("\"partial_rotary_factor\":1.0")).unwrap();
+        parse(&with("\"partial_rotary_factor\":null")).unwrap();
+        parse(&with(
+            "\"rope_parameters\":{\"rope_type\":\"default\",\"rope_theta\":10000.0,\"partial_rotary_factor\":1}",
+        ))
+        .unwrap();
+    }
+
+    #[test]
+    fn mlp_bias_is_refused_only_where_transformers_reads_it() {
+        let with_bias = MIN_LLAMA.replace("\"vocab_size\"", "\"mlp_bias\":true,\"vocab_size\"");
+        bad_config_mentions(&with_bias, "mlp_bias");
+        // MistralMLP, Qwen2MLP and Qwen3MLP build their projections with bias=False.
+        for arch in ["mistral", "qwen2", "qwen3"] {
+            let c = parse(&with_bias.replace("llama", arch)).unwrap();
+            assert_eq!(c.arch.name(), arch);
+        }
     }
 
     #[test]

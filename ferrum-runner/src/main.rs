@@ -48,7 +48,9 @@ struct GenerateArgs {
     /// Nucleus sampling: keep the smallest set reaching probability P (1 = off).
     #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
     top_p: f32,
-    /// Random seed for sampling.
+    /// Random seed for sampling. On CUDA, temperature-only sampling draws on the GPU unless
+    /// --dump-logits or --host-loop moves the draw to the host: the same seed then gives
+    /// different text.
     #[arg(long, default_value_t = 299_792_458)]
     seed: u64,
     /// Render PROMPT as a user message through the model's chat template.
@@ -120,15 +122,36 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     let sampling = SamplingParams { temperature: a.temperature, top_k: a.top_k, top_p: a.top_p, seed: a.seed };
     sampling.validate()?;
     let prompt = read_prompt(&a.prompt)?;
+    // Opened before the model loads, so that an unwritable path fails before any work.
+    let dump = a.dump_logits.as_deref().map(LogitsDump::open).transpose()?;
+    let r = generate_text(&a, sampling, &prompt, dump.is_some());
+    if let Some(d) = dump {
+        if matches!(r, Ok(None)) {
+            eprintln!("stdout was closed: the generation stopped early and no logits were written");
+        }
+        d.finish(r.as_ref().ok().and_then(|o| o.as_ref()))?;
+    }
+    r.map(|_| ())
+}
+
+/// Loads the model and generates, streaming the text to stdout. Returns the vocabulary size and
+/// every step's logits (with `keep_logits`; else none), or `None` when a closed stdout stopped
+/// the generation (`| head`: a quiet end, nothing more to report or write).
+fn generate_text(
+    a: &GenerateArgs,
+    sampling: SamplingParams,
+    prompt: &str,
+    keep_logits: bool,
+) -> Result<Option<(usize, Vec<f32>)>> {
     let mut s = Session::open(&a.model.to_options()?, true)?;
-    let ids = s.encode_prompt(&prompt, a.chat)?;
+    let ids = s.encode_prompt(prompt, a.chat)?;
     eprintln!("prompt: {} tokens", ids.len());
 
     let opts = GenerateOptions {
         max_tokens: a.max_tokens,
         sampling,
         stop_ids: s.tokenizer.eos_ids().to_vec(),
-        keep_logits: a.dump_logits.is_some(),
+        keep_logits,
         device_loop: !a.model.host_loop,
     };
     // Greedy device-fed steps screen the LM head unless --full-head (the same tokens).
@@ -150,7 +173,16 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
     // have no text, so they are generated but print nothing (as HF's decode skips them).
     let tokenizer_vocab = s.tokenizer.vocab_size();
     let mut warned = false;
-    let stats = generate(s.backend.as_mut(), &ids, context, &opts, &mut |tok| {
+    // Set when writing to stdout fails: the generation stops there. In a multi-process run the
+    // other ranks step in lockstep with rank 0 and cannot be told to stop, so rank 0 goes on to
+    // the end with a closed stdout (`| head`), writing nothing more, and its peers finish too.
+    let process_ranks = a.model.rank.is_some();
+    let mut stdout_closed = false;
+    let mut write_error: Option<std::io::Error> = None;
+    // A write error other than a closed stdout on rank 0 of a multi-process run: reported once
+    // every rank has finished.
+    let mut deferred_error: Option<std::io::Error> = None;
+    let r = generate(s.backend.as_mut(), &ids, context, &opts, &mut |tok| {
         if tok as usize >= tokenizer_vocab {
             if !warned {
                 eprintln!("note: token {tok} is past the tokenizer's {tokenizer_vocab} tokens; it has no text");
@@ -162,16 +194,49 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
             return Ok(());
         }
         if let Some(text) = stream.step(tok)? {
-            // A closed stdout (e.g. `| head`) ends the generation quietly.
-            let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+            if stdout_closed {
+                return Ok(());
+            }
+            // A failed write stops the generation; a closed stdout (`| head`) quietly (below).
+            if let Err(e) = out.write_all(text.as_bytes()).and_then(|_| out.flush()) {
+                if process_ranks {
+                    // The peers step in lockstep with rank 0: go on, writing nothing more.
+                    stdout_closed = true;
+                    if e.kind() != std::io::ErrorKind::BrokenPipe {
+                        deferred_error = Some(e);
+                    }
+                    return Ok(());
+                }
+                let stop = ferrum_runner::error::Error::io("<stdout>", e.kind().into());
+                write_error = Some(e);
+                return Err(stop);
+            }
         }
         Ok(())
-    })?;
+    });
+    let stats = match write_error {
+        // The callback's error stopped the generation: the write error is the one to report.
+        Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => return Ok(None),
+        Some(e) => return Err(e).context("writing the generated text to stdout"),
+        None => r?,
+    };
+    if let Some(e) = deferred_error {
+        return Err(e).context("writing the generated text to stdout");
+    }
+    let mut tail = String::new();
     if let Some(rest) = stream.flush()? {
-        let _ = out.write_all(rest.as_bytes());
+        tail.push_str(&rest);
     }
     if !quiet {
-        let _ = writeln!(out);
+        tail.push('\n');
+    }
+    // The generation is complete: a stdout closed by now loses only the tail, so the report and
+    // the logits still follow.
+    match out.write_all(tail.as_bytes()).and_then(|_| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            return Err(e).context("writing the generated text to stdout")
+        }
+        _ => {}
     }
     drop(out);
     let how = match &stats.device {
@@ -187,15 +252,61 @@ fn run_generate(a: GenerateArgs) -> Result<()> {
         stats.decode_tok_per_s(),
         s.backend.describe()
     );
-    if let Some(path) = &a.dump_logits {
-        write_logits(path, s.backend.vocab_size(), &stats.logits)?;
-        eprintln!("wrote {} steps of logits to {}", stats.logits.len() / s.backend.vocab_size(), path.display());
-    }
-    Ok(())
+    Ok(Some((s.backend.vocab_size(), stats.logits)))
 }
 
-fn write_logits(path: &Path, vocab: usize, logits: &[f32]) -> Result<()> {
-    let f = std::fs::File::create(path).with_context(|| format!("--dump-logits: creating {}", path.display()))?;
-    ferrum_runner::npy::write_f32_2d(std::io::BufWriter::new(f), logits.len() / vocab, vocab, logits)
-        .with_context(|| format!("--dump-logits: writing {}", path.display()))
+/// The `--dump-logits` file, opened before the model loads (an unwritable path fails before
+/// any work) and written after the generation. An existing file keeps its contents until then,
+/// and a file this run created is removed again when there is nothing to write.
+struct LogitsDump {
+    path: PathBuf,
+    file: std::fs::File,
+    created: bool,
+}
+
+impl LogitsDump {
+    fn open(path: &Path) -> Result<Self> {
+        let what = || format!("--dump-logits: creating {}", path.display());
+        let (file, created) = match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
+            Ok(f) => (f, true),
+            // Not truncated yet: a run that fails loses nothing.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // `create`: a dangling symlink's target is made, as `File::create` would.
+                let open = || format!("--dump-logits: opening {}", path.display());
+                (
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .create(true)
+                        .truncate(false)
+                        .open(path)
+                        .with_context(open)?,
+                    false,
+                )
+            }
+            Err(e) => return Err(e).with_context(what),
+        };
+        Ok(Self { path: path.to_path_buf(), file, created })
+    }
+
+    /// Writes `logits` (`vocab` and the steps' rows); with `None` leaves the file as it was.
+    fn finish(self, logits: Option<&(usize, Vec<f32>)>) -> Result<()> {
+        let Some((vocab, logits)) = logits else {
+            if self.created {
+                drop(self.file);
+                let _ = std::fs::remove_file(&self.path);
+            }
+            return Ok(());
+        };
+        let path = &self.path;
+        let what = || format!("--dump-logits: writing {}", path.display());
+        // A regular file is cut to the new contents; a pipe or device cannot be (nor need be).
+        if self.file.metadata().with_context(what)?.is_file() {
+            self.file.set_len(0).with_context(what)?;
+        }
+        let rows = logits.len() / vocab;
+        ferrum_runner::npy::write_f32_2d(std::io::BufWriter::new(self.file), rows, *vocab, logits)
+            .with_context(what)?;
+        eprintln!("wrote {rows} steps of logits to {}", path.display());
+        Ok(())
+    }
 }

@@ -27,12 +27,17 @@ impl Default for SamplingParams {
 }
 
 impl SamplingParams {
-    /// Rejects values that have no meaning (negative or non-finite temperature, top-p outside (0, 1]).
+    /// Rejects values that have no meaning (negative or non-finite temperature, a temperature
+    /// whose inverse overflows f32, top-p outside (0, 1]).
     pub fn validate(&self) -> Result<()> {
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+        let t = self.temperature;
+        // A positive subnormal temperature (below f32::MIN_POSITIVE, ~1.2e-38) is refused: the
+        // smallest of them have no finite inverse, which the GPU's Gumbel draw (it scales the
+        // logits by 1 / T) refuses too.
+        if !(t.is_finite() && (t == 0.0 || t >= f32::MIN_POSITIVE)) {
             return Err(Error::InvalidInput(format!(
-                "--temperature must be a finite number ≥ 0 (0 = greedy), got {}",
-                self.temperature
+                "--temperature must be 0 (greedy) or a finite number ≥ {:?} (its inverse must be finite), got {t:?}",
+                f32::MIN_POSITIVE
             )));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
@@ -91,7 +96,10 @@ impl Sampler {
         let p = self.params;
         let s = &mut self.scratch;
         s.clear();
-        s.extend(logits.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (v / p.temperature, i as u32)));
+        // The raw logits: dividing by the temperature first overflows to +inf for a small T (5 /
+        // 1e-38), and inf - inf in the softmax is NaN. Dividing by T > 0 keeps the order, so
+        // top-k and the sort see the same ranking either way.
+        s.extend(logits.iter().enumerate().filter(|(_, v)| !v.is_nan()).map(|(i, &v)| (v, i as u32)));
         if s.is_empty() {
             return Err(Error::InvalidInput("all logits are NaN".into()));
         }
@@ -102,12 +110,21 @@ impl Sampler {
             s.truncate(p.top_k);
         }
         s.sort_unstable_by(by_desc);
-        // Softmax over the survivors.
+        // An infinite largest logit: +inf takes all the mass (the first of several, as argmax
+        // picks); -inf everywhere leaves none. Either way the first survivor, never NaN mass.
         let max = s[0].0;
+        if !max.is_finite() {
+            return Ok(s[0].1);
+        }
+        // Softmax over the survivors: (v - max) ≤ 0, so each term is in [0, 1] and the largest
+        // is exactly 1 (an overflow to -inf only makes a term 0).
         let mut total = 0.0f64;
         for e in s.iter_mut() {
-            e.0 = (e.0 - max).exp();
+            e.0 = ((e.0 - max) / p.temperature).exp();
             total += e.0 as f64;
+        }
+        if !(total.is_finite() && total > 0.0) {
+            return Ok(s[0].1);
         }
         // Nucleus: the smallest prefix whose mass reaches top_p (always at least one token).
         if p.top_p < 1.0 {
@@ -191,6 +208,43 @@ mod tests {
         let zeros = (0..n).filter(|_| s.sample(&logits).unwrap() == 0).count();
         let frac = zeros as f64 / n as f64;
         assert!((frac - 0.75).abs() < 0.015, "got {frac}");
+    }
+
+    #[test]
+    fn tiny_temperatures_pick_the_largest_logit() {
+        // f32::MIN_POSITIVE (~1.18e-38) is a normal f32 with a finite inverse, but 5 / it overflows to +inf: the
+        // softmax must not subtract inf from inf (NaN mass, and the last survivor came out).
+        for k in [0, 2] {
+            for p in [1.0, 0.5] {
+                let mut s = Sampler::new(params(f32::MIN_POSITIVE, k, p, 1)).unwrap();
+                for _ in 0..50 {
+                    assert_eq!(s.sample(&[1.0, 5.0, -3.0]).unwrap(), 1, "top-k {k}, top-p {p}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_infinite_logit_wins() {
+        let inf = f32::INFINITY;
+        for (k, p) in [(0, 1.0), (2, 1.0), (0, 0.9), (2, 0.5), (5, 0.999)] {
+            let mut s = Sampler::new(params(1.0, k, p, 1)).unwrap();
+            for _ in 0..50 {
+                assert_eq!(s.sample(&[0.0, inf, -1.0]).unwrap(), 1, "top-k {k}, top-p {p}");
+                assert_eq!(s.sample(&[-inf, 2.0, inf, inf, f32::NAN]).unwrap(), 2, "top-k {k}, top-p {p}");
+            }
+        }
+        // Only -inf (and NaN) left: no mass anywhere, still a token and no error.
+        let mut s = Sampler::new(params(1.0, 0, 1.0, 1)).unwrap();
+        assert_eq!(s.sample(&[f32::NAN, -inf, -inf]).unwrap(), 1);
+    }
+
+    #[test]
+    fn a_temperature_with_no_finite_inverse_is_rejected() {
+        // 1e-39 is subnormal: 1 / 1e-39 is +inf in f32 (the GPU's Gumbel draw refuses it too).
+        let e = Sampler::new(params(1e-39, 0, 1.0, 1)).unwrap_err().to_string();
+        assert!(e.contains("--temperature") && e.contains("1e-39"), "{e}");
+        assert!(params(f32::MIN_POSITIVE, 0, 1.0, 1).validate().is_ok());
     }
 
     #[test]

@@ -66,7 +66,8 @@ pub struct SessionOptions {
     pub device: DeviceSpec,
     /// Tensor-parallel ranks (≥ 1).
     pub tp: usize,
-    /// `None`: GGUF keeps its quantized weights on the CPU, HF folders use f32; bf16 on GPUs.
+    /// `None`: GGUF keeps its quantized weights on the CPU, HF folders use f32; on GPUs f16 for an
+    /// f16 checkpoint, else bf16 ([`crate::config::gpu_run_dtype`]).
     pub dtype: Option<DType>,
     /// One rank of a multi-process run (CUDA only), `None` for a one-process run.
     pub dist: Option<DistOptions>,

@@ -224,3 +224,140 @@ fn cuda_without_the_feature_says_how_to_get_it() {
     let err = fails(&["generate", "--device", "cuda", "--model", model.to_str().unwrap(), "hi"]);
     assert!(err.contains("--features cuda"), "{err}");
 }
+
+/// Spawns ferrum with stdout on a pipe whose reading end is closed at once (as `| head -c1`
+/// does after its byte); returns the exit status and stderr.
+fn with_stdout_closed(args: &[&str]) -> (std::process::ExitStatus, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrum"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    (out.status, String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+#[test]
+fn an_unwritable_dump_file_fails_before_generating() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let out = ferrum(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--max-tokens",
+        "5",
+        "--dump-logits",
+        "/nonexistent/x.npy",
+        "abc",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--dump-logits") && err.contains("/nonexistent/x.npy"), "{err}");
+    assert!(!err.contains("panicked") && !err.contains("generated"), "failed before generating: {err}");
+    assert!(out.stdout.is_empty(), "nothing generated: {:?}", String::from_utf8_lossy(&out.stdout));
+}
+
+#[test]
+fn a_failed_generation_keeps_an_existing_dump_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let npy = dir.path().join("old.npy");
+    std::fs::write(&npy, b"earlier logits").unwrap();
+    let long = "a b c d e f g h ".repeat(100);
+    let err = fails(&["generate", "--model", model.to_str().unwrap(), "--dump-logits", npy.to_str().unwrap(), &long]);
+    assert!(err.contains("context"), "{err}");
+    assert_eq!(std::fs::read(&npy).unwrap(), b"earlier logits");
+    // A new file that got no logits is not left behind.
+    let new = dir.path().join("new.npy");
+    fails(&["generate", "--model", model.to_str().unwrap(), "--dump-logits", new.to_str().unwrap(), &long]);
+    assert!(!new.exists());
+}
+
+#[test]
+fn a_closed_stdout_stops_the_generation_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    // The tiny model's greedy text runs the whole budget (no EOS) when stdout stays open.
+    let out = ferrum(&["generate", "--model", m, "--max-tokens", "200", "abc"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("generated 200 tokens"), "{err}");
+    let (status, err) = with_stdout_closed(&["generate", "--model", m, "--max-tokens", "200", "abc"]);
+    assert!(status.success(), "{status:?}: {err}");
+    assert!(!err.contains("panicked") && !err.contains("error"), "{err}");
+    assert!(!err.contains("generated 200 tokens"), "the generation went on: {err}");
+}
+
+#[test]
+fn bench_with_a_closed_stdout_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    for json in [false, true] {
+        let mut args = vec!["bench", "--model", m, "--prompt-tokens", "4", "--gen-tokens", "2", "--runs", "1"];
+        if json {
+            args.push("--json");
+        }
+        let (status, err) = with_stdout_closed(&args);
+        assert!(!err.contains("panicked"), "{err}");
+        assert!(status.success(), "{status:?}: {err}");
+    }
+}
+
+#[test]
+fn bench_token_counts_that_overflow_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let max = usize::MAX.to_string();
+    for (p, g) in [(max.as_str(), "1"), ("1", max.as_str()), ("200", "100")] {
+        let err = fails(&["bench", "--model", m, "--prompt-tokens", p, "--gen-tokens", g, "--runs", "1"]);
+        assert!(err.contains("--prompt-tokens + --gen-tokens"), "{p} + {g}: {err}");
+    }
+}
+
+#[test]
+fn bench_refuses_process_ranks_where_they_are_not_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let rv = format!("file:{}", dir.path().join("rv").display());
+    let dist = ["--rank", "0", "--world-size", "1", "--rendezvous", rv.as_str()];
+    let mut args = vec!["bench", "--model", model.to_str().unwrap(), "--prompt-tokens", "4", "--gen-tokens", "2"];
+    args.extend(dist);
+    let err = fails(&args);
+    assert!(err.contains("--rank") && err.contains("--device cuda"), "{err}");
+    let mut args = vec!["bench", "--synthetic", "smollm2-135m"];
+    args.extend(dist);
+    let err = fails(&args);
+    assert!(err.contains("--rank") && err.contains("--device cuda"), "{err}");
+    let mut args = vec!["bench", "--all-reduce", "--device", "cuda", "--tp", "2", "--rank", "0", "--world-size", "2"];
+    args.extend(["--rendezvous", rv.as_str()]);
+    let err = fails(&args);
+    assert!(err.contains("--all-reduce") && err.contains("--rank"), "{err}");
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_stdout_that_cannot_be_written_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_model(dir.path());
+    let m = model.to_str().unwrap();
+    let to_full = |args: &[&str]| {
+        let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_ferrum")).args(args).stdin(Stdio::null()).stdout(full).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success() && !err.contains("panicked"), "{args:?}: {err}");
+        err
+    };
+    // Not a closed stdout (that ends quietly): the write error is reported.
+    let err = to_full(&["generate", "--model", m, "--max-tokens", "20", "abc"]);
+    assert!(err.contains("writing the generated text to stdout") && err.contains("No space"), "{err}");
+    assert!(!err.contains("generated 20 tokens"), "{err}");
+    let err = to_full(&["bench", "--model", m, "--prompt-tokens", "4", "--gen-tokens", "2", "--runs", "1"]);
+    assert!(err.contains("writing the report to stdout"), "{err}");
+}

@@ -664,6 +664,80 @@ fn gguf_missing_wrong_and_unknown() {
     assert!(matches!(e, Error::BadConfig(_)), "{e}");
 }
 
+/// `good` with metadata `key` set to `v` (added, or replacing the value there).
+fn with_key(good: &Path, dst: &Path, key: &str, v: Value) {
+    rewrite_gguf(good, dst, |md, _| {
+        md.retain(|(k, _)| k != key);
+        md.push((key.into(), v));
+    });
+}
+
+#[test]
+fn gguf_mixture_of_experts_is_refused_before_any_tensor() {
+    // A Mixtral GGUF is arch `llama` with `llama.expert_count`; its expert tensors
+    // (`ffn_gate_exps`, ...) would otherwise end the load with a missing `ffn_gate` after
+    // reading part of the file. Here every dense tensor is present, so only the key can refuse it.
+    let dir = tmp();
+    let (good, _) = synthetic_gguf(dir.path(), Arch::Llama);
+    let p = dir.path().join("moe.gguf");
+    with_key(&good, &p, "llama.expert_count", Value::U32(8));
+    let e = load_err(&p, F32);
+    assert!(matches!(e, Error::BadConfig(_)), "{e}");
+    err_mentions(&e, "mixture-of-experts (expert_count 8) is not supported");
+    err_mentions(&e, &path_str(&p));
+    assert!(matches!(GgufFile::open(&p).unwrap().config(), Err(Error::BadConfig(_))));
+    // expert_count 0 is a dense model.
+    with_key(&good, &p, "llama.expert_count", Value::U32(0));
+    load_model(&p, F32).unwrap();
+}
+
+#[test]
+fn gguf_rope_scaling_factor_without_a_type_is_linear_scaling() {
+    // llama.cpp reads a missing rope.scaling.type as linear and scales by 1/factor (0 = none);
+    // type `none` turns any factor off.
+    let dir = tmp();
+    let (good, _) = synthetic_gguf(dir.path(), Arch::Llama);
+    let p = dir.path().join("scaled.gguf");
+    for key in ["llama.rope.scaling.factor", "llama.rope.scale_linear"] {
+        with_key(&good, &p, key, Value::F32(4.0));
+        let e = load_err(&p, F32);
+        assert!(matches!(e, Error::BadConfig(_)), "{key}: {e}");
+        err_mentions(&e, key);
+        err_mentions(&e, &path_str(&p));
+        for ok in [1.0, 0.0] {
+            with_key(&good, &p, key, Value::F32(ok));
+            load_model(&p, F32).unwrap_or_else(|e| panic!("{key} {ok}: {e}"));
+        }
+        let none = dir.path().join("none.gguf");
+        with_key(&good, &p, key, Value::F32(4.0));
+        with_key(&p, &none, "llama.rope.scaling.type", Value::String("none".into()));
+        load_model(&none, F32).unwrap_or_else(|e| panic!("{key} with type none: {e}"));
+        let linear = dir.path().join("linear.gguf");
+        with_key(&p, &linear, "llama.rope.scaling.type", Value::String("linear".into()));
+        err_mentions(&load_err(&linear, F32), "linear");
+    }
+    with_key(&good, &p, "llama.rope.scaling.factor", Value::String("4".into()));
+    err_mentions(&load_err(&p, F32), "llama.rope.scaling.factor");
+}
+
+#[test]
+fn gguf_context_length_and_rms_epsilon_are_required() {
+    // llama.cpp refuses a file without either; a silent 2048 or 1e-5 would be a guess.
+    let dir = tmp();
+    for arch in ARCHS {
+        let (good, _) = synthetic_gguf(dir.path(), arch);
+        for key in ["context_length", "attention.layer_norm_rms_epsilon"] {
+            let key = format!("{}.{key}", arch.name());
+            let p = dir.path().join("nokey.gguf");
+            rewrite_gguf(&good, &p, |md, _| md.retain(|(k, _)| *k != key));
+            let e = load_err(&p, F32);
+            assert!(matches!(e, Error::BadConfig(_)), "{key}: {e}");
+            err_mentions(&e, &format!("`{key}` is missing"));
+            err_mentions(&e, &path_str(&p));
+        }
+    }
+}
+
 /// Rewrites `dir/model.safetensors` through `f` (name, dtype, shape, bytes).
 fn rewrite_safetensors(dir: &Path, f: impl FnOnce(&mut Vec<(String, StDtype, Vec<usize>, Vec<u8>)>)) {
     let p = dir.join("model.safetensors");
