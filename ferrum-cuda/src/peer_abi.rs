@@ -28,9 +28,90 @@ pub(crate) struct PeerArgs {
     pub(crate) cap: i32,
 }
 
+/// The sizes of a peer group's buffers, checked ([`peer_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) struct PeerLayout {
+    /// Payload floats per message ([`PeerArgs::cap`]): the capacity asked, rounded up to a
+    /// multiple of 4.
+    pub(crate) cap: i32,
+    /// Byte offset of the {epoch, failed} words after one rank's receive buffer of
+    /// `[2][world][2 * cap]` floats (at most `i32::MAX` floats), 256-aligned.
+    pub(crate) counter_offset: usize,
+    /// Bytes of one rank's allocation: the receive buffer and the two words.
+    pub(crate) bytes: usize,
+}
+
+/// The buffer sizes of a peer group of `world` ranks for messages of up to `capacity`
+/// floats, with every product checked: an `InvalidArgument` error when `world` is not
+/// 1..=[`MAX_PEER_RANKS`], `capacity` is 0, or the receive buffer would not be indexable by
+/// the kernels' `i32`s (never an overflow that wraps to a small size).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn peer_layout(world: usize, capacity: usize) -> crate::Result<PeerLayout> {
+    use crate::Error;
+    if world == 0 || world > MAX_PEER_RANKS {
+        return Err(Error::InvalidArgument(format!("a peer group has 1 to {MAX_PEER_RANKS} ranks, not {world}")));
+    }
+    if capacity == 0 {
+        return Err(Error::InvalidArgument("a peer group needs a capacity of at least one float".into()));
+    }
+    let too_large = || Error::InvalidArgument(format!("peer capacity {capacity} × {world} ranks is too large"));
+    // A multiple of 4 keeps every slot 16-byte aligned (the kernels' vector stores). A slot
+    // carries `cap` floats of payload in 16-byte lines of 8 payload bytes and two epoch words.
+    let cap = capacity.checked_next_multiple_of(4).ok_or_else(too_large)?;
+    let slots = [2, world, 2].into_iter().try_fold(cap, usize::checked_mul).ok_or_else(too_large)?;
+    // The kernels index the receive buffer with i32s. `slots` bounds `cap`, so `cap` fits too.
+    i32::try_from(slots).map_err(|_| too_large())?;
+    let cap = i32::try_from(cap).map_err(|_| too_large())?;
+    let counter_offset = slots
+        .checked_mul(std::mem::size_of::<f32>())
+        .and_then(|b| b.checked_next_multiple_of(256))
+        .ok_or_else(too_large)?;
+    let bytes = counter_offset.checked_add(2 * std::mem::size_of::<u32>()).ok_or_else(too_large)?;
+    Ok(PeerLayout { cap, counter_offset, bytes })
+}
+
 #[cfg(test)]
 mod tests {
-    use super::PeerArgs;
+    use super::{peer_layout, PeerArgs, PeerLayout, MAX_PEER_RANKS};
+
+    #[test]
+    fn peer_layout_rounds_up_and_sizes_the_buffers() {
+        let l = peer_layout(2, 5).unwrap();
+        // cap 8; slots 2 × 2 × 2 × 8 = 64 floats = 256 bytes; the two words after them.
+        assert_eq!(l, PeerLayout { cap: 8, counter_offset: 256, bytes: 264 });
+        // cap 4; slots 2 × 1 × 2 × 4 = 16 floats = 64 bytes, rounded up to 256.
+        assert_eq!(peer_layout(1, 4).unwrap(), PeerLayout { cap: 4, counter_offset: 256, bytes: 264 });
+        // cap 100; slots 2 × 3 × 2 × 100 = 1200 floats = 4800 bytes, rounded up to 4864.
+        assert_eq!(peer_layout(3, 97).unwrap(), PeerLayout { cap: 100, counter_offset: 4864, bytes: 4872 });
+        // The largest capacity whose receive buffer fits an i32 (8 ranks: slots = 32 × cap).
+        let max = (i32::MAX as usize / 32) / 4 * 4;
+        let l = peer_layout(MAX_PEER_RANKS, max).unwrap();
+        assert_eq!((l.cap as usize, l.counter_offset), (max, (32 * max * 4).next_multiple_of(256)));
+        assert!(peer_layout(MAX_PEER_RANKS, max + 1).is_err());
+    }
+
+    /// Capacities whose rounding or products overflow `usize` are refused, not wrapped: in
+    /// release builds `(2^62 + 4).div_ceil(4) * 4` wrapped to 4 and the group was built with
+    /// a 4-float capacity; in debug builds it panicked.
+    #[test]
+    fn peer_layout_refuses_overflowing_capacities() {
+        for world in [0, MAX_PEER_RANKS + 1] {
+            assert!(matches!(peer_layout(world, 4), Err(crate::Error::InvalidArgument(_))), "{world}");
+        }
+        for (world, capacity) in [
+            (1, 0),
+            (1, usize::MAX),
+            (1, usize::MAX - 2),
+            (2, (1 << 62) + 4),
+            (8, 1 << 61),
+            (1, i32::MAX as usize),
+            (1, (i32::MAX as usize).div_ceil(4) + 1),
+        ] {
+            let r = peer_layout(world, capacity);
+            assert!(matches!(r, Err(crate::Error::InvalidArgument(_))), "{world} × {capacity}: {r:?}");
+        }
+    }
     use crate::Kernel;
 
     /// The field offsets that peer.cuh's static_assert checks on the C side, and the size of

@@ -176,21 +176,54 @@ pub struct StepTimeline {
     pub first_grids: Vec<u64>,
 }
 
+/// Why [`StepTimeline::merge`] refused a recording: it is of another graph.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MergeError {
+    /// The graphs have different numbers of kernel nodes.
+    #[error("timelines of different graphs: {ours} kernel nodes, and {theirs} in the one merged")]
+    NodeCount {
+        /// The merged-into timeline's kernel nodes.
+        ours: usize,
+        /// The merged timeline's kernel nodes.
+        theirs: usize,
+    },
+    /// Kernel node `node` (the first that differs) runs different kernels.
+    #[error("timelines of different graphs: kernel node {node} is {ours}, and {theirs} in the one merged")]
+    Kernel {
+        /// The node's index.
+        node: usize,
+        /// Its kernel in the merged-into timeline.
+        ours: String,
+        /// Its kernel in the merged timeline.
+        theirs: String,
+    },
+}
+
 impl StepTimeline {
     /// Mean time from a replay's first kernel release to its last one's (ns).
     pub fn span_ns(&self) -> Option<f64> {
         (self.replays > 0).then(|| self.span_sum_ns / self.replays as f64)
     }
 
-    /// Adds another recording of the same graph (e.g. the next batch of replays). An error when
-    /// the graphs differ.
-    pub fn merge(&mut self, o: &StepTimeline) -> Result<(), String> {
+    /// Adds another recording of the same graph (e.g. the next batch of replays); an empty
+    /// timeline takes `o` as it is.
+    ///
+    /// # Errors
+    /// [`MergeError`] when the graphs differ (another number of kernel nodes, or another kernel
+    /// at some node); `self` is left unchanged.
+    pub fn merge(&mut self, o: &StepTimeline) -> Result<(), MergeError> {
         if self.kernels.is_empty() && self.replays == 0 {
             *self = o.clone();
             return Ok(());
         }
-        if self.kernels.len() != o.kernels.len() || self.kernels.iter().zip(&o.kernels).any(|(a, b)| a.name != b.name) {
-            return Err("timelines of different graphs".into());
+        if self.kernels.len() != o.kernels.len() {
+            return Err(MergeError::NodeCount { ours: self.kernels.len(), theirs: o.kernels.len() });
+        }
+        if let Some((node, (a, b))) =
+            self.kernels.iter().zip(&o.kernels).enumerate().find(|(_, (a, b))| a.name != b.name)
+        {
+            return Err(MergeError::Kernel { node, ours: a.name.clone(), theirs: b.name.clone() });
         }
         for (a, b) in self.kernels.iter_mut().zip(&o.kernels) {
             a.sum_ns += b.sum_ns;
@@ -462,6 +495,27 @@ mod tests {
         );
         assert_eq!(m.kernels[1].arrivals_ns(), t.kernels[1].arrivals_ns());
         assert!(m.merge(&step_timeline(&rows, &names(&["x", "qkv", "attn"]))).is_err());
+    }
+
+    #[test]
+    fn merging_another_graph_is_a_typed_error() {
+        let nm = names(&["norm", "qkv", "attn"]);
+        let t = step_timeline(&[vec![g(65536, 1000, 1000, 1), g(65537, 1100, 1100, 1), g(65538, 1300, 1300, 1)]], &nm);
+        let mut m = StepTimeline::default();
+        m.merge(&t).unwrap();
+        let other = step_timeline(
+            &[vec![g(65536, 1000, 1000, 1), g(65537, 1100, 1100, 1), g(65538, 1300, 1300, 1)]],
+            &names(&["norm", "x", "attn"]),
+        );
+        assert_eq!(m.merge(&other), Err(MergeError::Kernel { node: 1, ours: "qkv".into(), theirs: "x".into() }));
+        let shorter =
+            step_timeline(&[vec![g(65536, 1000, 1000, 1), g(65537, 1100, 1100, 1)]], &names(&["norm", "qkv"]));
+        assert_eq!(m.merge(&shorter), Err(MergeError::NodeCount { ours: 3, theirs: 2 }));
+        // A refused merge leaves the timeline as it was; the text form says the same.
+        assert_eq!(m.replays, 1);
+        let text = m.merge(&shorter).unwrap_err().to_string();
+        assert_eq!(text, MergeError::NodeCount { ours: 3, theirs: 2 }.to_string());
+        assert!(text.starts_with("timelines of different graphs"), "{text}");
     }
 
     #[test]

@@ -100,11 +100,6 @@ impl CaptureScope<'_> {
     pub fn stream(&self) -> &Arc<CudaStream> {
         self.stream
     }
-
-    /// The capturing stream's raw handle (for raw launches).
-    pub fn cu_stream(&self) -> cu::CUstream {
-        self.stream.cu_stream()
-    }
 }
 
 /// Ends the capture on drop unless disarmed (a panicking closure leaves the stream usable).
@@ -572,11 +567,6 @@ impl CapturedGraph {
     /// Ordinal of the device the graph runs on.
     pub fn device_ordinal(&self) -> usize {
         self.ctx.ordinal()
-    }
-
-    /// The raw executable graph, e.g. for `cuGraphExecKernelNodeSetParams`. Do not destroy it.
-    pub fn cu_graph_exec(&self) -> cu::CUgraphExec {
-        self.exec
     }
 }
 

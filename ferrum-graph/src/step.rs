@@ -4,8 +4,8 @@
 //! steps (the input token, its position, the KV length) cannot be kernel arguments: they live
 //! in a small device buffer whose *address* is captured. Before each replay, either write them
 //! with [`StepParams::write`] (an asynchronous host-to-device copy, outside capture) or let a
-//! kernel write them (e.g. the argmax kernel writes the next token into
-//! [`StepParams::token_ptr`]).
+//! kernel write them (e.g. the argmax kernel writes the next token into its slot,
+//! [`StepParams::slot`]`(StepValues::TOKEN)`).
 //!
 //! Device layout (16 bytes, `#[repr(C)]`, four `u32` — read them as `int` if you prefer; values
 //! stay below 2^31): `[token, position, kv_len, user]`.
@@ -68,7 +68,7 @@ mod imp {
     ///
     /// The buffer's address never changes, so graphs captured with kernels that read it serve
     /// every step. Keep the `StepParams` alive as long as any graph that reads it (include
-    /// [`StepParams::device_ptr`] in your graph-cache key).
+    /// the buffer's device address in your graph-cache key).
     #[derive(Debug)]
     pub struct StepParams {
         buf: CudaSlice<u32>,
@@ -121,21 +121,34 @@ mod imp {
         }
 
         /// Device address of the buffer (for raw kernel launches and cache keys).
+        ///
+        /// A raw handle for tests and escape hatches (raw launches); the typed way in is
+        /// [`buffer`](Self::buffer) or [`slot`](Self::slot). Public for the integration tests.
+        #[doc(hidden)]
         pub fn device_ptr(&self) -> cu::CUdeviceptr {
             self.base
         }
 
         /// Device address of the `token` slot (a kernel may write the next token there).
+        ///
+        /// A raw handle for tests and escape hatches, as [`device_ptr`](Self::device_ptr).
+        #[doc(hidden)]
         pub fn token_ptr(&self) -> cu::CUdeviceptr {
             self.base + (StepValues::TOKEN * 4) as u64
         }
 
         /// Device address of the `position` slot.
+        ///
+        /// A raw handle for tests and escape hatches, as [`device_ptr`](Self::device_ptr).
+        #[doc(hidden)]
         pub fn position_ptr(&self) -> cu::CUdeviceptr {
             self.base + (StepValues::POSITION * 4) as u64
         }
 
         /// Device address of the `kv_len` slot.
+        ///
+        /// A raw handle for tests and escape hatches, as [`device_ptr`](Self::device_ptr).
+        #[doc(hidden)]
         pub fn kv_len_ptr(&self) -> cu::CUdeviceptr {
             self.base + (StepValues::KV_LEN * 4) as u64
         }

@@ -402,7 +402,7 @@ impl CudaRank {
             self.timeline
                 .get_or_insert_with(Default::default)
                 .merge(&t)
-                .map_err(|e| Error::Unavailable("kernel timeline", e))?;
+                .map_err(|e| Error::Unavailable("kernel timeline", e.to_string()))?;
         }
         Ok(())
     }

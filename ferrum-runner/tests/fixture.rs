@@ -14,7 +14,6 @@
 mod common;
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use ferrum_runner::model::CpuModel;
 use ferrum_runner::sampling::argmax;
@@ -102,7 +101,9 @@ fn quantized_path_tracks_hf_logits() {
 /// `ferrum generate --temperature 0 --dtype f32` prints HF's greedy continuation, up to the
 /// first stop token (HF's fixture loop does not stop; the CLI does).
 #[test]
+#[cfg(feature = "cli")] // runs the `ferrum` binary
 fn cli_prints_hf_greedy_continuations() {
+    use std::process::Command;
     let r = reference();
     let model = model_path();
     let tok = ferrum_runner::tokenizer::Tokenizer::from_gguf_file(&model).unwrap();

@@ -2,8 +2,6 @@
 //!
 //! Sharding changes only the summation order of the two per-layer reductions, so in f32 the
 //! TP logits must match TP1 to ‖Δ‖/‖ref‖ ≤ 1e-5 and greedy ids must be identical.
-use std::process::Command;
-
 use candle_core::quantized::GgmlDType;
 use candle_core::DType;
 use ferrum_runner::backend::{CpuBackend, DecodeBackend};
@@ -91,7 +89,9 @@ fn bad_tp_degrees_are_errors() {
 
 /// `ferrum generate --tp 2/3` on the default model prints TP1's greedy text (f32 weights).
 #[test]
+#[cfg(feature = "cli")] // runs the `ferrum` binary
 fn cli_tp_matches_tp1_on_the_default_model() {
+    use std::process::Command;
     let model = ferrum_runner::fetch::default_model_path(false).unwrap();
     let gen = |tp: &str, prompt: &str| {
         let out = Command::new(env!("CARGO_BIN_EXE_ferrum"))

@@ -67,6 +67,16 @@ pub enum CollectiveError {
     /// stays usable.
     #[error("ranks passed buffers of different lengths to the same all-reduce")]
     LengthMismatch,
+    /// [`CpuAllReduce::new`] could not allocate its buffers
+    /// (`2 × world_size × max_len` floats): the size overflows, or the
+    /// allocator refused it.
+    #[error("cannot allocate an all-reduce of {world_size} ranks × {max_len} floats (2 buffers each)")]
+    TooLarge {
+        /// The world size asked.
+        world_size: usize,
+        /// The buffer capacity asked, in floats.
+        max_len: usize,
+    },
 }
 
 /// What aborted a [`CpuAllReduce`] first: the root cause that the peers'
@@ -119,6 +129,21 @@ impl AbortOrigin {
 
 /// One rank's buffer (`max_len` floats).
 type Slot = UnsafeCell<Box<[f32]>>;
+
+/// `n` items made by `make`, in one fallible allocation: `err` when it
+/// cannot be made, rather than a capacity-overflow panic or an abort.
+fn try_boxed<T>(
+    n: usize,
+    mut make: impl FnMut() -> Result<T, CollectiveError>,
+    err: CollectiveError,
+) -> Result<Box<[T]>, CollectiveError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| err)?;
+    for _ in 0..n {
+        v.push(make()?);
+    }
+    Ok(v.into_boxed_slice())
+}
 
 struct Shared {
     world: usize,
@@ -199,20 +224,33 @@ impl CpuAllReduce {
     /// Returns the control handle and one handle per rank, in rank order.
     ///
     /// # Errors
-    /// [`CollectiveError::ZeroWorldSize`] if `world_size == 0`.
+    /// [`CollectiveError::ZeroWorldSize`] if `world_size == 0`;
+    /// [`CollectiveError::TooLarge`] if the buffers' size overflows or cannot
+    /// be allocated (never a panic or an abort of the process).
     pub fn new(world_size: usize, max_len: usize) -> Result<(Self, Vec<AllReduceRank>), CollectiveError> {
         if world_size == 0 {
             return Err(CollectiveError::ZeroWorldSize);
         }
-        let slots =
-            || (0..world_size).map(|_| UnsafeCell::new(vec![0.0f32; max_len].into_boxed_slice())).collect::<Box<[_]>>();
-        let lens = || (0..world_size).map(|_| CachePadded::new(AtomicUsize::new(0))).collect::<Box<[_]>>();
+        let too_large = CollectiveError::TooLarge { world_size, max_len };
+        // The whole size first, so that an overflowing one fails before any
+        // allocation; then each allocation is fallible on its own.
+        let floats = world_size.checked_mul(max_len).and_then(|n| n.checked_mul(2)).ok_or(too_large)?;
+        std::alloc::Layout::array::<f32>(floats).map_err(|_| too_large)?;
+        let slot = || {
+            let mut v = Vec::new();
+            v.try_reserve_exact(max_len).map_err(|_| too_large)?;
+            v.resize(max_len, 0.0f32);
+            Ok(UnsafeCell::new(v.into_boxed_slice()))
+        };
+        let slots = [try_boxed(world_size, slot, too_large)?, try_boxed(world_size, slot, too_large)?];
+        let len = || Ok(CachePadded::new(AtomicUsize::new(0)));
+        let lens = [try_boxed(world_size, len, too_large)?, try_boxed(world_size, len, too_large)?];
         let shared = Arc::new(Shared {
             world: world_size,
             max_len,
             barrier: GroupBarrier::with_parties(world_size),
-            slots: [slots(), slots()],
-            lens: [lens(), lens()],
+            slots,
+            lens,
             origin: AtomicUsize::new(0),
         });
         let ranks = (0..world_size)

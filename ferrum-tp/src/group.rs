@@ -219,6 +219,11 @@ pub enum TpError<E> {
     /// The group has been shut down.
     #[error("the TP group has been shut down")]
     ShutDown,
+    /// The group's all-reduce could not be built: its buffers
+    /// (`2 × world_size × all_reduce_max_len` floats) are too large
+    /// ([`CollectiveError::TooLarge`]).
+    #[error("could not build the TP group's all-reduce")]
+    AllReduce(#[source] CollectiveError),
 }
 
 fn fmt_rank(rank: Option<usize>) -> String {
@@ -388,7 +393,8 @@ impl<W: RankWorker> TpDecodeGroup<W> {
     /// thread), then waits for work. Returns once every worker is built.
     ///
     /// # Errors
-    /// [`TpError::ZeroWorldSize`]; [`TpError::Spawn`]; the factory's error
+    /// [`TpError::ZeroWorldSize`]; [`TpError::AllReduce`] when the
+    /// all-reduce's buffers are too large; [`TpError::Spawn`]; the factory's error
     /// ([`TpError::Rank`]) or panic ([`TpError::RankPanicked`]) on any rank.
     /// On error every thread already spawned has been joined.
     pub fn new<F>(config: TpConfig, factory: F) -> Result<Self, TpError<W::Error>>
@@ -397,7 +403,10 @@ impl<W: RankWorker> TpDecodeGroup<W> {
     {
         let world_size = config.world_size;
         let (all_reduce, rank_handles) =
-            CpuAllReduce::new(world_size, config.all_reduce_max_len).map_err(|_| TpError::ZeroWorldSize)?;
+            CpuAllReduce::new(world_size, config.all_reduce_max_len).map_err(|e| match e {
+                CollectiveError::ZeroWorldSize => TpError::ZeroWorldSize,
+                e => TpError::AllReduce(e),
+            })?;
         let shared = Arc::new(Shared {
             barrier: GroupBarrier::with_parties(world_size + 1),
             params: CachePadded::new(Params {

@@ -195,6 +195,30 @@ fn zero_world_size_is_an_error() {
     assert!(matches!(CpuAllReduce::new(0, 8), Err(CollectiveError::ZeroWorldSize)));
 }
 
+/// Buffers too large to size or to allocate are a typed error, not a
+/// capacity-overflow panic or an out-of-memory abort of the process.
+#[test]
+fn oversized_all_reduce_is_an_error() {
+    for (world_size, max_len) in [
+        (2, usize::MAX),     // 2 × 2 × max_len overflows
+        (1, usize::MAX / 2), // the float count fits; the bytes do not
+        (usize::MAX, 0),     // the per-rank tables overflow
+        (usize::MAX, 1),
+        (2, 1 << 59), // a valid size that no allocator grants (2^61 bytes per buffer)
+    ] {
+        let r = CpuAllReduce::new(world_size, max_len);
+        assert_eq!(r.err(), Some(CollectiveError::TooLarge { world_size, max_len }), "{world_size} × {max_len}");
+    }
+    let g = TpDecodeGroup::new(
+        TpConfig::new(2).all_reduce_max_len(usize::MAX),
+        |_: &RankContext| -> Result<TestWorker, WorkerError> {
+            unreachable!("no rank is built when the all-reduce cannot be")
+        },
+    );
+    let too_large = CollectiveError::TooLarge { world_size: 2, max_len: usize::MAX };
+    assert!(matches!(g, Err(TpError::AllReduce(e)) if e == too_large));
+}
+
 #[test]
 fn steps_pass_parameters_and_all_reduce_is_bit_identical() {
     with_watchdog(Duration::from_secs(60), || {

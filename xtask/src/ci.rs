@@ -102,7 +102,7 @@ pub fn run(a: CiArgs) -> Result<()> {
     c.args(["test", "-p", "ferrum-tp", "--no-default-features", "--features", "barrier-std"]);
     t.run("tests (ferrum-tp, barrier-std)", c)?;
     let mut c = cargo();
-    c.args(["test", "-p", "ferrum-runner", "--no-default-features", "--features", "barrier-std", "--test", "tp"]);
+    c.args(["test", "-p", "ferrum-runner", "--no-default-features", "--features", "barrier-std,cli", "--test", "tp"]);
     t.run("tests (CPU tensor parallelism, barrier-std)", c)?;
     // The `cuda` feature's unit tests need no GPU (the driver is loaded only when used): the
     // host-side parts of the CUDA backend (knobs, the peer kernels' parameter layout).

@@ -37,6 +37,7 @@ use crate::error::{Error, Result};
 use crate::kernel_list::Kernel;
 pub(crate) use crate::peer_abi::PeerArgs;
 pub use crate::peer_abi::MAX_PEER_RANKS;
+use crate::peer_abi::{peer_layout, PeerLayout};
 use cudarc::driver::sys as cu;
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PinnedHostSlice,
@@ -256,31 +257,19 @@ fn enable_peer_access(ctxs: &[Arc<CudaContext>]) -> Result<()> {
 /// A peer group over the GPUs `ordinals` (rank r on `ordinals[r]`; a GPU may repeat, which
 /// tests use on one GPU), for messages of up to `capacity` floats, each rank waiting at most
 /// `timeout` for its peers. Enables peer access between the GPUs; fails with
-/// [`Error::Unavailable`] when some pair has none (use NCCL then).
+/// [`Error::Unavailable`] when some pair has none (use NCCL then), and with
+/// [`Error::InvalidArgument`] for 0 or more than [`MAX_PEER_RANKS`] GPUs, a capacity of 0, or
+/// buffers too large for the kernels' `i32` indices.
 ///
 /// Every rank must then make the same sequence of calls (the same lengths, in the same order),
 /// each on a stream of its own GPU — as the ranks of a TP decode do.
 pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Result<Vec<PeerRank>> {
     let world = ordinals.len();
-    if world == 0 || world > MAX_PEER_RANKS {
-        return Err(Error::InvalidArgument(format!("a peer group has 1 to {MAX_PEER_RANKS} ranks, not {world}")));
-    }
-    if capacity == 0 {
-        return Err(Error::InvalidArgument("a peer group needs a capacity of at least one float".into()));
-    }
-    // A multiple of 4 keeps every slot 16-byte aligned (the kernels' vector stores). A slot
-    // carries `cap` floats of payload in 16-byte lines of 8 payload bytes and two epoch words.
-    let cap = capacity.div_ceil(4) * 4;
-    let slots = 2 * world * 2 * cap;
-    let cap_i32 = i32::try_from(slots)
-        .map(|_| cap as i32)
-        .map_err(|_| Error::InvalidArgument(format!("peer capacity {capacity} × {world} ranks is too large")))?;
+    let PeerLayout { cap, counter_offset, bytes } = peer_layout(world, capacity)?;
     let ctxs = ordinals.iter().map(|&o| super::context(o)).collect::<Result<Vec<_>>>()?;
     enable_peer_access(&ctxs)?;
     // Each rank's receive slots, then its {epoch, failed} words (8-byte aligned: the kernels
     // read them with one load), in one allocation.
-    let counter_offset = (slots * std::mem::size_of::<f32>()).next_multiple_of(256);
-    let bytes = counter_offset + 2 * std::mem::size_of::<u32>();
     let mem = ctxs.iter().map(|c| RawAlloc::zeroed(c, bytes)).collect::<Result<Vec<_>>>()?;
     // SAFETY: initialised right below, before anything reads it.
     let mut ctl = unsafe {
@@ -321,7 +310,7 @@ pub fn peer_group(ordinals: &[usize], capacity: usize, timeout: Duration) -> Res
             timeout_ns: u64::try_from(timeout.as_nanos()).unwrap_or(u64::MAX),
             rank: r as i32,
             world: world as i32,
-            cap: cap_i32,
+            cap,
         };
         ranks.push(PeerRank {
             handle: PeerHandle { bufs: bufs.clone(), rank: r },
